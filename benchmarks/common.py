@@ -1,0 +1,48 @@
+"""Shared benchmark helpers: timing medians and the demo model on a realistic micro-batch."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+
+def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def emit(**figures) -> None:
+    print(json.dumps(figures, sort_keys=False), flush=True)
+
+
+def demo_model_and_groups(n_groups: int = 4, group_size: int = 8, seed: int = 0):
+    """The demo's model architecture (untrained) and n_groups arithmetic groups sampled from it."""
+    import torch
+
+    from configs.schema import Config
+    from models import arithmetic
+    from models.engine import SamplingParams, generate_groups, sample_seed
+    from models.tiny import build_char_tokenizer, build_tiny_model
+
+    cfg = Config()
+    tok = build_char_tokenizer()
+    m = cfg.model.tiny
+    model = build_tiny_model(len(tok), arch=m.arch, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                             intermediate_size=m.intermediate_size, seed=seed)
+    train, _ = arithmetic.build_splits(cfg.task.max_operand, tuple(cfg.task.ops), cfg.task.n_eval)
+    prompts = arithmetic.make_prompts(train[:n_groups], train, cfg.task.n_shots, seed)
+    ids = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens)
+    seeds = [[sample_seed(seed, 0, i, j) for j in range(group_size)] for i in range(n_groups)]
+    with torch.no_grad():
+        groups = generate_groups(model, ids, group_size, params, seeds, tok.eos_token_id, tok.pad_token_id)
+    return model, tok, ids, groups

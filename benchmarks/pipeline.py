@@ -1,0 +1,88 @@
+"""Periodic asynchrony vs synchronous training on the same machine, through the real flow.
+
+One JSON line per configuration with `mode`, `iteration_s` (median over the measured iterations, after
+warm-up ones), `rollout_busy_s`, `train_busy_s`, `first_shard_s`, `sync_s`, `overhead_fraction`, `samples_per_s`;
+then a line with `periodic_over_sync` and `periodic_over_bound`, the bound being
+max(rollout busy, train busy) + first-shard latency + sync time (what perfect overlap could reach);
+then samples/s with 1 and 2 rollout workers at the same total thread count.
+
+Both modes get the whole machine: sync runs its phases one after the other, so each phase gets every core
+(`rollout_threads = train_threads = cores`); periodic runs them at once, so the cores are split between them.
+
+    .venv/bin/python -m benchmarks.pipeline [--iterations 8] [--warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import yaml
+
+from benchmarks.common import emit
+
+
+def run(tmp: str, name: str, overrides: dict, iterations: int) -> list[dict]:
+    from flows.train import train_flow
+
+    cfg = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "configs", "arith-tiny.yaml")))
+    cfg["run"].update({"run_id": name, "iterations": iterations})
+    cfg["lake"]["uri"] = f"{tmp}/lake"
+    cfg["tracking"] = {"enabled": False}
+    cfg["eval"] = {"every": 0}
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".")
+        cfg.setdefault(section, {})[key] = value
+    path = f"{tmp}/{name}.yaml"
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return train_flow(config_path=path)["history"]
+
+
+def summarise(mode: str, history: list[dict], warmup: int, **extra) -> dict:
+    h = history[warmup:]
+    med = lambda key: statistics.median(x[key] for x in h)  # noqa: E731
+    return {"mode": mode, "iterations_measured": len(h), "iteration_s": med("time/iteration_s"),
+            "rollout_busy_s": med("time/rollout_busy_s"), "train_busy_s": med("time/train_busy_s"),
+            "first_shard_s": med("time/first_shard_s"), "sync_s": med("time/sync_s"),
+            "overhead_fraction": med("perf/overhead_fraction"), "overlap_fraction": med("perf/overlap_fraction"),
+            "samples_per_s": med("perf/samples_per_s"), **extra}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    cores = os.cpu_count() or 2
+    total = args.iterations + args.warmup
+    with tempfile.TemporaryDirectory() as tmp:
+        sync = summarise("sync", run(tmp, "bench-sync", {"pipeline.mode": "sync", "resources.rollout_threads": cores,
+                                                        "resources.train_threads": cores}, total), args.warmup,
+                         rollout_threads=cores, train_threads=cores)
+        emit(benchmark="pipeline", **sync)
+        half = max(1, cores // 2)
+        per = summarise("periodic", run(tmp, "bench-periodic", {"pipeline.mode": "periodic",
+                                                                "resources.rollout_threads": half,
+                                                                "resources.train_threads": cores - half}, total),
+                        args.warmup, rollout_threads=half, train_threads=cores - half)
+        emit(benchmark="pipeline", **per)
+        bound = max(per["rollout_busy_s"], per["train_busy_s"]) + per["first_shard_s"] + per["sync_s"]
+        emit(benchmark="pipeline", periodic_over_sync=per["iteration_s"] / sync["iteration_s"],
+             periodic_over_bound=per["iteration_s"] / bound, bound_s=bound,
+             targets={"periodic_over_sync<=0.7": per["iteration_s"] / sync["iteration_s"] <= 0.7,
+                      "periodic_over_bound<=1.15": per["iteration_s"] / bound <= 1.15,
+                      "overhead_fraction<=0.05": per["overhead_fraction"] <= 0.05})
+        # 1 vs 2 rollout workers at the same total rollout thread count (sync mode isolates generation)
+        for workers in (1, 2):
+            h = run(tmp, f"bench-w{workers}", {"pipeline.mode": "sync", "resources.rollout_workers": workers,
+                                               "resources.rollout_threads": max(1, cores // workers),
+                                               "resources.train_threads": cores}, total)
+            emit(benchmark="pipeline", **summarise("sync", h, args.warmup, rollout_workers=workers,
+                                                   rollout_threads=max(1, cores // workers)))
+
+
+if __name__ == "__main__":
+    main()

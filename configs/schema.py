@@ -1,0 +1,250 @@
+"""Experiment configuration: pydantic v2 models, one per section; every field documented and bounded.
+
+A bad config fails at load, before any work, with the file, the field's dotted path and the reason
+(`ConfigError`); the CLI turns that into exit code 2 without a traceback. Unknown keys are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(_Section):
+    name: str = Field("lockstep", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="Experiment name: the MLflow experiment and the prefix of generated run ids.")
+    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                               description="Run id; default `{name}-{UTC timestamp}`. Letters, digits, . _ - only.")
+    seed: int = Field(0, ge=0, description="Run seed: model init, shots, and every sample's seed derive from it.")
+    iterations: int = Field(40, ge=1, le=100_000, description="RL iterations (optimizer steps) to run.")
+
+
+class LakeSection(_Section):
+    uri: str = Field("./lake", min_length=1, description="fsspec URL of the lake: a path, file://, s3://, memory://…")
+    compression: Literal["zstd", "lz4"] | None = Field(None, description="Arrow IPC compression of shards.")
+
+
+class TinyModelSection(_Section):
+    arch: Literal["qwen2", "llama"] = Field("qwen2", description="Architecture of the locally built tiny model.")
+    hidden_size: int = Field(128, ge=8, le=8192, description="Hidden size.")
+    num_layers: int = Field(4, ge=1, le=64, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, le=128, description="Attention heads.")
+    num_kv_heads: int = Field(2, ge=1, le=128, description="Key/value heads (GQA); must divide num_heads.")
+    intermediate_size: int = Field(384, ge=8, le=65536, description="MLP width.")
+
+    @model_validator(mode="after")
+    def _heads(self):
+        if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
+            raise ValueError("num_kv_heads must divide num_heads, and num_heads must divide hidden_size")
+        return self
+
+
+class ModelSection(_Section):
+    path: str | None = Field(None, description="A local Hugging Face directory or hub id loaded with from_pretrained; "
+                                               "null builds the tiny model below with a character tokenizer.")
+    tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="The locally built model.")
+
+
+class TaskSection(_Section):
+    kind: Literal["arithmetic"] = Field("arithmetic", description="Prompt source.")
+    max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")
+    n_shots: int = Field(8, ge=0, le=64, description="Solved examples in each prompt (makes prompts long).")
+    n_eval: int = Field(200, ge=1, description="Held-out problems for eval/accuracy (greedy exact match).")
+    partial_credit: float = Field(0.5, ge=0.0, lt=1.0, description="Reward weight of per-digit credit (0: exact only).")
+    split_seed: int = Field(1234, ge=0, description="Seed of the train / held-out split (fixed across runs).")
+    max_prompt_tokens: int = Field(1024, ge=8, description="Prompts longer than this are refused.")
+
+
+class BootstrapSection(_Section):
+    steps: int = Field(250, ge=0, le=1_000_000, description="SFT steps that make v0 (0: start from the model as is).")
+    batch_size: int = Field(32, ge=1, description="SFT sequences per step.")
+    lr: float = Field(3e-3, gt=0, le=1.0, description="SFT learning rate (peak).")
+    target_accuracy: float | None = Field(None, gt=0.0, le=1.0,
+                                          description="Stop SFT early once greedy accuracy on `check_prompts` training "
+                                                      "prompts reaches this (null: run all steps).")
+    check_prompts: int = Field(100, ge=1, description="Training prompts used for the target-accuracy check.")
+    check_every: int = Field(25, ge=1, description="SFT steps between target-accuracy checks.")
+
+
+class RolloutSection(_Section):
+    prompts_per_iteration: int = Field(32, ge=1, description="Groups per iteration (the batch).")
+    group_size: int = Field(8, ge=1, le=1024, description="Samples per prompt (G).")
+    max_new_tokens: int = Field(6, ge=1, le=32768, description="Response length limit.")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (the loss uses the same).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    engine: Literal["builtin", "vllm"] = Field("builtin", description="Generation engine.")
+
+
+class AlgorithmSection(_Section):
+    advantage: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="Group advantage estimator.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses are reduced (see models/OBJECTIVES.md).")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ε below 1.")
+    clip_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO ε above 1 (DAPO clip-higher when > clip_low).")
+    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c for negative advantages.")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient in the loss (0: no reference pass).")
+    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+
+
+class TrainerSection(_Section):
+    lr: float = Field(1e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW β1.")
+    beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW β2.")
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Max gradient norm (null: no clipping).")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Training device.")
+
+
+class TrainSection(_Section):
+    micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one packed micro-batch.")
+    shared_prompt: bool = Field(True, description="Pack [prompt, r1..rG] once per group (False: one row per sample).")
+
+
+class PipelineSection(_Section):
+    mode: Literal["sync", "periodic", "async"] = Field("periodic", description="sync | periodic | async (DESIGN.md).")
+    shard_groups: int = Field(4, ge=1, description="Groups per published shard (and per generation batch).")
+    max_staleness: int = Field(0, ge=0, description="async: max versions a trained token may lag the trainer.")
+
+
+class ResourcesSection(_Section):
+    rollout_workers: int = Field(1, ge=1, le=256, description="Long-lived rollout worker processes.")
+    rollout_threads: int = Field(1, ge=1, le=512, description="Torch threads per rollout worker.")
+    train_threads: int = Field(1, ge=1, le=512, description="Torch threads of the trainer.")
+
+
+class EvalSection(_Section):
+    every: int = Field(10, ge=0, description="Evaluate every N iterations (0: only at start and end).")
+    max_new_tokens: int = Field(6, ge=1, description="Greedy answer length limit.")
+
+
+class TrackingSection(_Section):
+    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (SQLite file by default).")
+    experiment: str | None = Field(None, description="MLflow experiment; default: run.name.")
+    enabled: bool = Field(True, description="Log to MLflow.")
+
+
+class Config(_Section):
+    """A lockstep experiment."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    lake: LakeSection = Field(default_factory=LakeSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    bootstrap: BootstrapSection = Field(default_factory=BootstrapSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    pipeline: PipelineSection = Field(default_factory=PipelineSection)
+    resources: ResourcesSection = Field(default_factory=ResourcesSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+
+    @model_validator(mode="after")
+    def _cross_field(self):
+        if self.pipeline.mode != "async" and self.pipeline.max_staleness != 0:
+            raise ValueError("pipeline.max_staleness applies to mode 'async' only; set it to 0 or use mode: async")
+        if self.pipeline.mode == "async":
+            raise ValueError("pipeline.mode 'async' is not available yet; use 'periodic' or 'sync'")
+        if self.rollout.engine == "vllm":
+            raise ValueError("rollout.engine 'vllm' is not available yet; use 'builtin'")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file, the field and the reason."""
+
+
+def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
+    keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"override {source!r}: empty key in {dotted!r}")
+    node = tree
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {source!r}: {k!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`key.path=value` strings; the value is read as YAML (1e-5 -> float, true -> bool, [a, b] -> list)."""
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. -o trainer.lr=1e-5")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+        # YAML 1.1 reads '1e-5' as a string; accept the float a user means
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value.lower() for c in "e.") and value.strip() else value
+            except ValueError:
+                pass
+        out.append((key.strip(), value))
+    return out
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
+        lines.append(f"  {loc}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML file (or start from defaults when path is None), apply overrides, validate."""
+    source = str(path) if path is not None else "(defaults)"
+    data: Any = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {source} does not exist (give a YAML file, e.g. configs/arith-tiny.yaml)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {source} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {source}: the top level must be a mapping of sections, "
+                              f"got {type(data).__name__}")
+    for key, value in parse_overrides(overrides or []):
+        _set_path(data, key, value, f"{key}={value}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def resolved_json(config: Config) -> str:
+    return json.dumps(config.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+def flatten(config: Config) -> dict[str, Any]:
+    """`section.field` -> value, for MLflow params."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = node
+
+    walk("", config.model_dump(mode="json"))
+    return out

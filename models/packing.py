@@ -1,0 +1,178 @@
+"""Packing of rollout groups into model inputs, and per-token log-probs gathered back to (sample, token) order.
+
+Two layouts, one gather:
+- unshared: one row per sample, `[prompt, response]`, right-padded (what peers do);
+- shared:   one row per group, `[prompt, r1, ..., rG]` (the shared-prompt layout of DESIGN.md); each response
+            attends causally to the prompt and to itself only, and its position ids restart at len(prompt).
+For every sample, `gather_pos[s, t]` is the position in row `gather_row[s]` whose logits predict response
+token t, so both layouts give log-probs of the same (S, T) shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Group:
+    """One prompt and its G responses (token ids only): the unit packed and trained together."""
+
+    prompt_ids: list[int]
+    responses: list[list[int]]
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor  # (rows, L)
+    position_ids: torch.Tensor  # (rows, L)
+    attention_mask: torch.Tensor  # (rows, L) long for unshared; (rows, 1, L, L) bool for shared (True = attend)
+    gather_row: torch.Tensor  # (S,)
+    gather_pos: torch.Tensor  # (S, T)
+    targets: torch.Tensor  # (S, T) response token ids, pad where mask is 0
+    mask: torch.Tensor  # (S, T) float, 1 on real response tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the model actually processes (padding included): the compute cost of this layout."""
+        return int(self.input_ids.numel())
+
+
+def _sample_table(groups: list[Group], pad_id: int):
+    samples = [r for g in groups for r in g.responses]
+    T = max([len(r) for r in samples] + [1])
+    targets = torch.full((len(samples), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), T), dtype=torch.float32)
+    for s, r in enumerate(samples):
+        targets[s, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[s, : len(r)] = 1.0
+    return samples, targets, mask
+
+
+def pack_unshared(groups: list[Group], pad_id: int) -> Packed:
+    """One right-padded row `[prompt, response]` per sample."""
+    samples, targets, mask = _sample_table(groups, pad_id)
+    prompts = [g.prompt_ids for g in groups for _ in g.responses]
+    L = max(len(p) + len(r) for p, r in zip(prompts, samples, strict=True))
+    S, T = targets.shape
+    input_ids = torch.full((S, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((S, L), dtype=torch.long)
+    gather_pos = torch.zeros((S, T), dtype=torch.long)
+    for s, (p, r) in enumerate(zip(prompts, samples, strict=True)):
+        seq = p + r
+        input_ids[s, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[s, : len(seq)] = 1
+        # logits at position len(p)-1+t predict response token t
+        gather_pos[s, : len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
+    position_ids = torch.arange(L).unsqueeze(0).expand(S, L).contiguous()
+    return Packed(input_ids, position_ids, attn, torch.arange(S), gather_pos, targets, mask)
+
+
+def pack_shared(groups: list[Group], pad_id: int) -> Packed:
+    """One row `[prompt, r1, ..., rG]` per group with a block mask: response j sees the prompt and its own past."""
+    samples, targets, mask = _sample_table(groups, pad_id)
+    lengths = [len(g.prompt_ids) + sum(len(r) for r in g.responses) for g in groups]
+    L = max(lengths)
+    n = len(groups)
+    S, T = targets.shape
+    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((n, L), dtype=torch.long)
+    allowed = torch.zeros((n, 1, L, L), dtype=torch.bool)
+    gather_row = torch.zeros(S, dtype=torch.long)
+    gather_pos = torch.zeros((S, T), dtype=torch.long)
+    causal = torch.ones((L, L), dtype=torch.bool).tril()
+    s = 0
+    for gi, g in enumerate(groups):
+        P = len(g.prompt_ids)
+        input_ids[gi, :P] = torch.tensor(g.prompt_ids, dtype=torch.long)
+        position_ids[gi, :P] = torch.arange(P)
+        allowed[gi, 0, :P, :P] = causal[:P, :P]
+        start = P
+        for r in g.responses:
+            R = len(r)
+            end = start + R
+            if R:
+                input_ids[gi, start:end] = torch.tensor(r, dtype=torch.long)
+                position_ids[gi, start:end] = torch.arange(P, P + R)
+                allowed[gi, 0, start:end, :P] = True  # the prompt
+                allowed[gi, 0, start:end, start:end] = causal[:R, :R]  # its own causal past
+                # token 0 is predicted by the prompt's last position, token t>0 by response position t-1
+                gather_pos[s, 0] = P - 1
+                gather_pos[s, 1:R] = torch.arange(start, end - 1)
+            gather_row[s] = gi
+            start = end
+            s += 1
+        # padding rows attend to themselves only, so softmax never sees an empty row
+        idx = torch.arange(lengths[gi], L)
+        allowed[gi, 0, idx, idx] = True
+    return Packed(input_ids, position_ids, allowed, gather_row, gather_pos, targets, mask)
+
+
+def token_costs(groups: list[Group]) -> tuple[int, int]:
+    """(unshared, shared) token counts of a micro-batch before padding."""
+    unshared = sum(len(g.prompt_ids) * len(g.responses) + sum(len(r) for r in g.responses) for g in groups)
+    shared = sum(len(g.prompt_ids) + sum(len(r) for r in g.responses) for g in groups)
+    return unshared, shared
+
+
+# Sharing replaces G copies of the prompt by one but needs a dense (L x L) mask instead of the fused causal
+# kernel; below this token saving the dense mask costs more than the saved tokens (G = 1, short prompts).
+MIN_SHARED_SAVING = 1.5
+
+
+def use_shared(groups: list[Group], min_saving: float | None = None) -> bool:
+    """Whether the shared layout saves at least `min_saving` x tokens (default: `MIN_SHARED_SAVING`, read at call time
+    so that setting the module constant, e.g. to 0 to force sharing in a test, takes effect)."""
+    if min_saving is None:
+        min_saving = MIN_SHARED_SAVING
+    unshared, shared = token_costs(groups)
+    return shared > 0 and unshared / shared >= min_saving
+
+
+def pack(groups: list[Group], pad_id: int, shared: bool) -> Packed:
+    return pack_shared(groups, pad_id) if shared else pack_unshared(groups, pad_id)
+
+
+def _dense_mask_for(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """The shared layout's (rows, 1, L, L) bool mask in the form the model's attention kernel applies.
+
+    Transformers passes a 4-D mask through untouched. SDPA reads a bool mask as "True = attend", but the eager
+    kernel *adds* the mask to the scores, so a bool mask there adds 1.0 or 0.0 and masks nothing (every response
+    would see the others): eager gets the additive form (0 where allowed, dtype min elsewhere). Kernels that take no
+    dense mask (flash-attention) would drop it silently, so they are refused.
+    """
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
+    if impl == "sdpa":
+        return allowed
+    if impl == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+    raise ValueError(
+        f"the shared-prompt layout needs a dense attention mask, which attn_implementation={impl!r} does not take; "
+        "load the model with attn_implementation='sdpa' (or 'eager'), or set train.shared_prompt=false"
+    )
+
+
+def packed_logits(model: torch.nn.Module, packed: Packed) -> torch.Tensor:
+    """Logits at the positions that predict each response token: (S, T, V)."""
+    device = next(model.parameters()).device
+    attn = packed.attention_mask.to(device)
+    if attn.dim() == 4:
+        attn = _dense_mask_for(model, attn)
+    out = model(
+        input_ids=packed.input_ids.to(device),
+        attention_mask=attn,
+        position_ids=packed.position_ids.to(device),
+        use_cache=False,
+    )
+    logits = out.logits  # (rows, L, V)
+    return logits[packed.gather_row.to(device).unsqueeze(-1), packed.gather_pos.to(device)]  # (S, T, V)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T)[target]: (S, T, V), (S, T) -> (S, T)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,181 @@
+"""The policy trainer: micro-steps that accumulate an exactly normalised gradient, then one optimizer step.
+
+`micro_step` runs, on one packed micro-batch, the tri-model step of DESIGN.md: the reference log-probs (no grad,
+only when a KL term is used), the policy log-probs (with grad) and the old-policy log-probs (the current policy
+detached: with one optimizer step per batch the ratio is exactly 1, so that pass is free). It backpropagates the
+loss *numerator* only; the batch's normaliser (tokens or sequences) is known only when the batch is complete, so
+`optimizer_step` divides the accumulated gradient by the accumulated denominator. The sum over micro-batches then
+equals the whole-batch loss gradient whatever the split or the order of arrival (DESIGN.md, Propositions 1-2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from models import objectives
+from models.packing import Group, pack, packed_logits, token_logprobs, use_shared
+
+
+@dataclass
+class RolloutGroup:
+    """A finished group as the trainer consumes it: prompt, G responses, their rewards and behaviour data."""
+
+    prompt_ids: list[int]
+    responses: list[list[int]]
+    rewards: list[float]
+    behavior_logprobs: list[list[float]]
+    token_versions: list[list[int]]
+
+
+@dataclass
+class LossSettings:
+    advantage: objectives.AdvantageKind = "grpo"
+    loss_agg: objectives.LossAgg = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_kind: objectives.KLKind = "k3"
+    temperature: float = 1.0
+    norm_len: int | None = None  # constant normaliser for seq-mean-token-sum-norm (the max response length)
+
+
+class PolicyTrainer:
+    """Owns the policy, the frozen reference and the optimizer; the loss math lives in `models.objectives`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ref_model: torch.nn.Module | None,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float | None = 1.0,
+        loss: LossSettings | None = None,
+        pad_token_id: int = 0,
+        shared_prompt: bool = False,
+    ):
+        self.model = model
+        self.ref_model = ref_model
+        self.loss = loss or LossSettings()
+        if self.loss.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        self.grad_clip = grad_clip
+        self.pad_token_id = pad_token_id
+        self.shared_prompt = shared_prompt
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        self._reset_accumulators()
+
+    def _reset_accumulators(self) -> None:
+        self._denominator = 0.0
+        self._sums: dict[str, float] = defaultdict(float)  # token-weighted metric sums
+        self._tokens = 0.0
+        self._maxes: dict[str, float] = {}
+        self._samples = 0
+        self._groups = 0
+
+    @property
+    def pending_samples(self) -> int:
+        return self._samples
+
+    def micro_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """Forward + backward of the loss numerator on one micro-batch of whole groups; returns its figures."""
+        if not groups:
+            raise ValueError("micro_step needs at least one group")
+        self.model.train()
+        s = self.loss
+        rewards = [torch.tensor(g.rewards, dtype=torch.float32) for g in groups]
+        advs, zero_groups = [], 0
+        for r in rewards:  # per group: streaming never has the whole batch, so normalisation is per group
+            a, m = objectives.compute_advantages(r.unsqueeze(0), kind=s.advantage)
+            advs.append(a.squeeze(0))
+            zero_groups += m.get("adv/zero_var_groups", 0.0) + m.get("adv/single_sample_groups", 0.0)
+        adv = torch.cat(advs)  # (S,)
+        plain = [Group(g.prompt_ids, g.responses) for g in groups]
+        shared = self.shared_prompt and use_shared(plain)
+        packed = pack(plain, self.pad_token_id, shared)
+        mask = packed.mask  # (S, T)
+        S, T = mask.shape
+        behavior = torch.zeros((S, T))
+        flat_beh = [lp for g in groups for lp in g.behavior_logprobs]
+        for i, lp in enumerate(flat_beh):
+            behavior[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+
+        ref_logp = None
+        if s.kl_coef > 0:
+            with torch.no_grad():
+                self.ref_model.eval()
+                ref_logp = token_logprobs(packed_logits(self.ref_model, packed), packed.targets, s.temperature)
+        logits = packed_logits(self.model, packed)  # (S, T, V)
+        logp = token_logprobs(logits, packed.targets, s.temperature)  # (S, T) with grad
+        old_logp = logp.detach()  # on-policy: one optimizer step per batch, ratio exactly 1
+        per_token, metrics = objectives.policy_loss(
+            logp, old_logp, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip
+        )
+        kl = None
+        if ref_logp is not None:
+            kl = objectives.kl_divergence(logp, ref_logp, kind=s.kl_kind)  # (S, T)
+            per_token = per_token + s.kl_coef * kl
+        numerator, denominator = objectives.aggregate_parts(per_token, mask, s.loss_agg, norm_len=s.norm_len)
+        if not torch.isfinite(numerator):
+            raise FloatingPointError(f"non-finite loss numerator {numerator.item()} in a micro-batch of {S} samples")
+        numerator.backward()
+
+        with torch.no_grad():
+            ntok = float(mask.sum())
+            entropy = objectives.masked_mean(objectives.entropy_from_logits(logits.detach()), mask)
+            mismatch = objectives.masked_mean((logp.detach() - behavior).abs(), mask)
+            self._denominator += denominator
+            self._tokens += ntok
+            self._samples += S
+            self._groups += len(groups)
+            self._sums["loss_numerator"] += float(numerator)
+            self._sums["entropy/mean"] += float(entropy) * ntok
+            self._sums["mismatch/logp_abs"] += float(mismatch) * ntok
+            self._sums["clip/fraction"] += metrics.get("clip/fraction", 0.0) * ntok
+            self._sums["adv/zero_groups"] += zero_groups
+            self._sums["train/shared_fallbacks"] += float(self.shared_prompt and not shared)
+            self._sums["train/micro_batches"] += 1.0
+            if kl is not None:
+                self._sums["kl/mean"] += float(objectives.masked_mean(kl.detach(), mask)) * ntok
+        return {"tokens": ntok, "samples": S}
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Scale the accumulated gradient by 1/denominator, clip, step; returns the batch's figures."""
+        if self._samples == 0:
+            raise RuntimeError("optimizer_step with no accumulated micro-steps")
+        if self._denominator <= 0:
+            raise RuntimeError(f"loss denominator is {self._denominator}: the batch has no response tokens")
+        scale = 1.0 / self._denominator
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        for p in params:
+            p.grad.mul_(scale)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip else math.inf)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_accumulators()
+            raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)}: the step was not applied")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        tok = max(self._tokens, 1.0)
+        figures = {
+            "loss/policy": self._sums["loss_numerator"] * scale,
+            "entropy/mean": self._sums["entropy/mean"] / tok,
+            "mismatch/logp_abs": self._sums["mismatch/logp_abs"] / tok,
+            "clip/fraction": self._sums["clip/fraction"] / tok,
+            "grad/norm": float(grad_norm),
+            "train/tokens": self._tokens,
+            "train/samples": float(self._samples),
+            "adv/zero_groups": self._sums["adv/zero_groups"],
+            "train/micro_batches": self._sums["train/micro_batches"],
+            "train/shared_fallbacks": self._sums["train/shared_fallbacks"],
+        }
+        if self.loss.kl_coef > 0:
+            figures["kl/mean"] = self._sums["kl/mean"] / tok
+        self._reset_accumulators()
+        return figures

@@ -1,0 +1,181 @@
+"""Checkpoints: Hugging Face directories in the lake, trainer state beside them, atomic promotion.
+
+`checkpoints/v{v:06d}/` is loadable by `AutoModelForCausalLM.from_pretrained` (and vLLM) as it is.
+`trainer_state/` holds the optimizer's tensors as safetensors plus JSON: no pickle anywhere.
+`PROMOTED` is written last, atomically, and only after the checkpoint's files are complete and checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from storage.lake import Lake, atomic_write_json, read_json
+
+WEIGHTS = "model.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{pid}.{k}"] = v.detach().contiguous().cpu()
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict] = {}
+    for key, v in tensors.items():
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    for key, v in meta["scalars"].items():
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_model_dir(
+    lake: Lake,
+    final: str,
+    tmp: str,
+    model: torch.nn.Module,
+    tokenizer,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra_state: dict | None = None,
+) -> str:
+    """Write a complete HF directory (weights, tokenizer, trainer state, MANIFEST) to `final` through `tmp`.
+
+    Files go to the temporary path first and are moved into place as a whole: a crash leaves at most a stray
+    temporary folder, never a half-written directory under its final name.
+    """
+    fs = lake.fs
+    with tempfile.TemporaryDirectory(prefix="lockstep-ckpt-") as local:
+        model.save_pretrained(local, safe_serialization=True)
+        tokenizer.save_pretrained(local)
+        state_dir = Path(local, "trainer_state")
+        state_dir.mkdir()
+        if optimizer is not None:
+            tensors, meta = _optimizer_tensors(optimizer)
+            Path(state_dir, "optimizer.safetensors").write_bytes(st_save(tensors))
+            Path(state_dir, "optimizer.json").write_text(json.dumps(meta))
+        Path(state_dir, "rng.safetensors").write_bytes(st_save({"torch": torch.get_rng_state()}))
+        Path(state_dir, "state.json").write_text(json.dumps(extra_state or {}))
+        manifest = {
+            str(p.relative_to(local)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(local).rglob("*"))
+            if p.is_file()
+        }
+        Path(local, "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if fs.exists(final):  # an earlier attempt finished the move but was not promoted: replace it
+            fs.rm(final, recursive=True)
+        if lake.is_local:
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            shutil.copytree(local, tmp)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.replace(tmp, final)
+        else:
+            fs.put(local, tmp, recursive=True)
+            fs.mv(tmp, final, recursive=True)
+    return final
+
+
+def save_checkpoint(
+    lake: Lake,
+    run_id: str,
+    version: int,
+    model: torch.nn.Module,
+    tokenizer,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra_state: dict | None = None,
+) -> str:
+    """Write checkpoint v{version} of a run completely and return its path (not yet promoted)."""
+    return save_model_dir(
+        lake,
+        lake.checkpoint_dir(run_id, version),
+        lake.tmp_path(run_id, f"v{version:06d}"),
+        model,
+        tokenizer,
+        optimizer,
+        {"version": version, **(extra_state or {})},
+    )
+
+
+def verify_checkpoint(lake: Lake, path: str) -> None:
+    """Check every file of a checkpoint against its manifest; raises CheckpointError naming what is wrong."""
+    fs = lake.fs
+    manifest_path = f"{path}/MANIFEST.json"
+    if not fs.exists(manifest_path):
+        raise CheckpointError(f"checkpoint {path} has no MANIFEST.json (incomplete write)")
+    manifest = read_json(lake, manifest_path)
+    for rel, digest in manifest.items():
+        try:
+            with fs.open(f"{path}/{rel}", "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} is missing {rel}, listed in its manifest") from None
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise CheckpointError(f"checkpoint file {path}/{rel} does not match its manifest")
+
+
+def promote(lake: Lake, run_id: str, version: int) -> None:
+    """Verify checkpoint v{version} and atomically point PROMOTED at it."""
+    verify_checkpoint(lake, lake.checkpoint_dir(run_id, version))
+    atomic_write_json(lake, run_id, lake.promoted_file(run_id), {"version": version})
+
+
+def promoted_version(lake: Lake, run_id: str) -> int | None:
+    path = lake.promoted_file(run_id)
+    return int(read_json(lake, path)["version"]) if lake.fs.exists(path) else None
+
+
+def load_weights(lake: Lake, path: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's state dict, read through fsspec (any filesystem), without pickle."""
+    with lake.fs.open(f"{path}/{WEIGHTS}", "rb") as f:
+        return st_load(f.read())
+
+
+def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a saved state dict into a live model; tied weights may be saved once, so allow their absence."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise CheckpointError(f"state dict mismatch: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+
+
+def load_trainer_state(lake: Lake, path: str, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Restore optimizer and torch RNG state saved with a checkpoint; returns state.json's contents."""
+    fs = lake.fs
+    sdir = f"{path}/trainer_state"
+    if optimizer is not None and fs.exists(f"{sdir}/optimizer.safetensors"):
+        with fs.open(f"{sdir}/optimizer.safetensors", "rb") as f:
+            tensors = st_load(f.read())
+        _restore_optimizer(optimizer, tensors, read_json(lake, f"{sdir}/optimizer.json"))
+    with fs.open(f"{sdir}/rng.safetensors", "rb") as f:
+        torch.set_rng_state(st_load(f.read())["torch"])
+    return read_json(lake, f"{sdir}/state.json")
+
+
+def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
+    """A local directory with the checkpoint (the path itself on a local lake), for `from_pretrained`."""
+    if lake.is_local:
+        return path
+    dest = os.path.join(cache_dir, hashlib.sha1(path.encode()).hexdigest()[:16])
+    if not os.path.exists(os.path.join(dest, "MANIFEST.json")):
+        lake.fs.get(path, dest, recursive=True)
+    return dest

@@ -1,0 +1,91 @@
+"""The lake: one fsspec URL holding every run (layout in DESIGN.md), and atomic publication on any filesystem.
+
+Writers put bytes under `{run}/_tmp/` and then rename into place (a rename on local disks, a single move on
+memory:// and object stores), so a reader listing a prefix never sees a partial file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_run_id(run_id: str) -> str:
+    """Run ids become path components: letters, digits, '.', '_' and '-', not starting with '.', no '..'."""
+    if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id) or ".." in run_id:
+        raise ValueError(
+            f"invalid run id {run_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class Lake:
+    """Paths of one lake URL plus its fsspec filesystem."""
+
+    uri: str
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        fs, _ = fsspec.core.url_to_fs(self.uri)
+        return fs
+
+    @property
+    def root(self) -> str:
+        _, root = fsspec.core.url_to_fs(self.uri)
+        return root.rstrip("/")
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def run_dir(self, run_id: str) -> str:
+        return f"{self.root}/runs/{validate_run_id(run_id)}"
+
+    def iteration_rollouts(self, run_id: str, version: int, iteration: int) -> str:
+        return f"{self.run_dir(run_id)}/rollouts/policy_version={version}/iter-{iteration:06d}"
+
+    def checkpoint_dir(self, run_id: str, version: int) -> str:
+        return f"{self.run_dir(run_id)}/checkpoints/v{version:06d}"
+
+    def promoted_file(self, run_id: str) -> str:
+        return f"{self.run_dir(run_id)}/checkpoints/PROMOTED"
+
+    def ledger_file(self, run_id: str, iteration: int) -> str:
+        return f"{self.run_dir(run_id)}/ledger/iter-{iteration:06d}.json"
+
+    def tmp_path(self, run_id: str, name: str) -> str:
+        return f"{self.run_dir(run_id)}/_tmp/{uuid.uuid4().hex}-{name}"
+
+    def url(self, path: str) -> str:
+        """A full URL for a path of this lake's filesystem (what tasks pass around)."""
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return path if protocol in ("file", "local") else f"{protocol}://{path.lstrip('/')}"
+
+
+def atomic_write_bytes(lake: Lake, run_id: str, path: str, data: bytes) -> None:
+    """Write `data` to `path` so that readers see either nothing or the whole file."""
+    fs = lake.fs
+    tmp = lake.tmp_path(run_id, path.rsplit("/", 1)[-1])
+    fs.makedirs(tmp.rsplit("/", 1)[0], exist_ok=True)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)
+
+
+def atomic_write_json(lake: Lake, run_id: str, path: str, obj: Any) -> None:
+    atomic_write_bytes(lake, run_id, path, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+
+def read_json(lake: Lake, path: str) -> Any:
+    with lake.fs.open(path, "rb") as f:
+        return json.loads(f.read())

@@ -1,0 +1,46 @@
+"""The run ledger: one JSON record per iteration with a state machine, written atomically.
+
+planned -> rolling_out -> trained -> promoted, or failed (with the reason). Resume reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from storage.lake import Lake, atomic_write_json, read_json
+
+State = Literal["planned", "rolling_out", "trained", "promoted", "failed"]
+_NEXT: dict[str, set[str]] = {
+    "planned": {"rolling_out", "failed"},
+    "rolling_out": {"trained", "failed", "rolling_out"},
+    "trained": {"promoted", "failed"},
+    "promoted": set(),
+    "failed": {"planned", "rolling_out"},  # a resume restarts a failed iteration
+}
+
+
+def write_record(lake: Lake, run_id: str, iteration: int, state: State, **fields) -> dict:
+    """Move iteration `iteration` to `state`, merging `fields` into its record; refuses illegal transitions."""
+    path = lake.ledger_file(run_id, iteration)
+    record = read_json(lake, path) if lake.fs.exists(path) else {"iteration": iteration, "history": []}
+    prev = record.get("state")
+    if prev is not None and state not in _NEXT[prev]:
+        raise ValueError(f"ledger of run {run_id} iteration {iteration}: illegal transition {prev} -> {state}")
+    record.update(fields)
+    record["state"] = state
+    record["history"].append({"state": state, "at": time.time()})
+    atomic_write_json(lake, run_id, path, record)
+    return record
+
+
+def read_record(lake: Lake, run_id: str, iteration: int) -> dict | None:
+    path = lake.ledger_file(run_id, iteration)
+    return read_json(lake, path) if lake.fs.exists(path) else None
+
+
+def read_all(lake: Lake, run_id: str) -> list[dict]:
+    d = f"{lake.run_dir(run_id)}/ledger"
+    if not lake.fs.exists(d):
+        return []
+    return [read_json(lake, p) for p in sorted(lake.fs.ls(d, detail=False)) if p.endswith(".json")]

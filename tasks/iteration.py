@@ -1,0 +1,171 @@
+"""The Prefect tasks of one iteration: plan -> rollout x N (concurrent) || train (streaming) -> promote -> log.
+
+Each task takes the run id and small values, reaches the live objects through `tasks.session.SESSIONS`,
+and returns small values (paths, figures), never tensors. Caching is off on purpose: these tasks act on
+live in-memory state, and what a resume may skip is decided by the ledger in the lake, not by Prefect's cache.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from models.trainer import RolloutGroup
+from storage import checkpoints, ledger
+from storage.shards import read_shard, table_to_records
+from tasks.session import SESSIONS, evaluate, iteration_prompt_ids
+from tasks.workers import Chunk, WorkerError
+
+POLL_S = 0.01
+
+
+@task(name="plan", cache_policy=NO_CACHE)
+def plan_task(run_id: str, iteration: int) -> dict:
+    """Choose the iteration's prompts, cut them into chunks, put them on the workers' queue."""
+    s = SESSIONS[run_id]
+    t0 = time.perf_counter()
+    prompt_ids = iteration_prompt_ids(s.cfg, len(s.train_prompts), iteration)
+    k = s.cfg.pipeline.shard_groups
+    chunks = [Chunk(iteration, s.version, i // k, tuple(prompt_ids[i : i + k])) for i in range(0, len(prompt_ids), k)]
+    ledger.write_record(s.lake, run_id, iteration, "planned", policy_version=s.version, prompt_ids=prompt_ids,
+                        chunks=len(chunks), group_size=s.cfg.rollout.group_size)
+    s.pool.enqueue(chunks)
+    ledger.write_record(s.lake, run_id, iteration, "rolling_out")
+    body = time.perf_counter() - t0
+    s.storage_s += body
+    return {"groups": len(prompt_ids), "chunks": len(chunks), "version": s.version, "body_s": body}
+
+
+@task(name="rollout", cache_policy=NO_CACHE)
+def rollout_task(run_id: str, iteration: int, worker: int) -> dict:
+    """One rollout worker drains the iteration's chunk queue; returns its shards and busy time."""
+    s = SESSIONS[run_id]
+    return s.pool.run(worker, s.version, s.lake.checkpoint_dir(run_id, s.version))
+
+
+def _groups_of(table) -> list[RolloutGroup]:
+    groups: dict[str, RolloutGroup] = {}
+    for r in table_to_records(table):
+        g = groups.get(r.group_id)
+        if g is None:
+            g = groups[r.group_id] = RolloutGroup(r.prompt_ids, [], [], [], [])
+        g.responses.append(r.response_ids)
+        g.rewards.append(r.reward)
+        g.behavior_logprobs.append(r.behavior_logprobs)
+        g.token_versions.append(r.token_versions)
+    return list(groups.values())
+
+
+def _micro_batches(groups: list[RolloutGroup], budget: int, shared: bool) -> list[list[RolloutGroup]]:
+    """Greedy packing of whole groups under a token budget (a group larger than the budget goes alone)."""
+    out: list[list[RolloutGroup]] = []
+    cur: list[RolloutGroup] = []
+    used = 0
+    for g in groups:
+        if shared:
+            cost = len(g.prompt_ids) + sum(len(r) for r in g.responses)
+        else:
+            cost = sum(len(g.prompt_ids) + len(r) for r in g.responses)
+        if cur and used + cost > budget:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(g)
+        used += cost
+    if cur:
+        out.append(cur)
+    return out
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train_task(run_id: str, iteration: int, expected_groups: int, started_at: float) -> dict:
+    """Stream the iteration's shards as they land, micro-step on each, one optimizer step at the end."""
+    s = SESSIONS[run_id]
+    t_task = time.perf_counter()
+    fs = s.lake.fs
+    prefix = s.lake.iteration_rollouts(run_id, s.version, iteration)
+    seen: set[str] = set()
+    shards: list[dict] = []
+    groups_done = 0
+    busy = wait = storage = 0.0
+    first_shard_s = None
+    rewards: list[float] = []
+    staleness: list[int] = []
+    while groups_done < expected_groups:
+        t0 = time.perf_counter()
+        fs.invalidate_cache(prefix)
+        paths = sorted(p for p in (fs.ls(prefix, detail=False) if fs.exists(prefix) else []) if p.endswith(".arrow"))
+        new = [p for p in paths if p not in seen]
+        if not new:
+            if not s.pool.alive():
+                raise WorkerError(s.pool.failed or "a rollout worker died")
+            time.sleep(POLL_S)
+            wait += time.perf_counter() - t0
+            continue
+        for path in new:
+            seen.add(path)
+            if first_shard_s is None:
+                first_shard_s = time.perf_counter() - started_at
+            t1 = time.perf_counter()
+            table = read_shard(s.lake, path)
+            checksum = table.schema.metadata[b"lockstep.sha256"].decode()
+            groups = _groups_of(table)
+            t2 = time.perf_counter()
+            storage += t2 - t1
+            for g in groups:
+                rewards.extend(g.rewards)
+                staleness.extend(s.version - v for tv in g.token_versions for v in tv)
+            for mb in _micro_batches(groups, s.cfg.train.micro_batch_tokens, s.cfg.train.shared_prompt):
+                s.trainer.micro_step(mb)
+            busy += time.perf_counter() - t2
+            groups_done += len(groups)
+            shards.append({"path": path, "checksum": checksum, "groups": len(groups)})
+    t3 = time.perf_counter()
+    figures = s.trainer.optimizer_step()
+    busy += time.perf_counter() - t3
+    s.storage_s += storage
+    r = torch.tensor(rewards)
+    st = torch.tensor(staleness, dtype=torch.float32) if staleness else torch.zeros(1)
+    figures.update({
+        "reward/mean": float(r.mean()),
+        "reward/std": float(r.std()) if len(rewards) > 1 else 0.0,
+        "staleness/mean": float(st.mean()),
+        "staleness/max": float(st.max()),
+        "time/train_busy_s": busy,
+        "time/train_wait_s": wait,
+        "time/first_shard_s": first_shard_s or 0.0,
+        "time/train_end_s": time.perf_counter() - started_at,
+    })
+    t_ledger = time.perf_counter()
+    ledger.write_record(s.lake, run_id, iteration, "trained", shards=shards, figures=figures)
+    s.storage_s += time.perf_counter() - t_ledger
+    figures["time/train_task_s"] = time.perf_counter() - t_task
+    return figures
+
+
+@task(name="promote", cache_policy=NO_CACHE)
+def promote_task(run_id: str, iteration: int) -> dict:
+    """Save the new version's checkpoint with optimizer state, verify it, promote it; workers load it next."""
+    s = SESSIONS[run_id]
+    t0 = time.perf_counter()
+    new_version = s.version + 1
+    checkpoints.save_checkpoint(s.lake, run_id, new_version, s.trainer.model, s.tokenizer, s.trainer.optimizer,
+                                {"iteration": iteration})
+    checkpoints.promote(s.lake, run_id, new_version)
+    s.version = new_version
+    ledger.write_record(s.lake, run_id, iteration, "promoted", promoted_version=new_version)
+    body = time.perf_counter() - t0
+    s.storage_s += body
+    return {"version": new_version, "body_s": body}
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_task(run_id: str) -> float:
+    return evaluate(SESSIONS[run_id])
+
+
+@task(name="log", cache_policy=NO_CACHE)
+def log_task(run_id: str, step: int, metrics: dict) -> None:
+    SESSIONS[run_id].tracker.log_metrics(metrics, step)

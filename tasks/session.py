@@ -1,0 +1,233 @@
+"""The live state of a run inside the flow's process: trainer, tokenizer, worker pool, tracker, prompts.
+
+Prefect tasks receive only a run id and small values; they find the heavy objects here. The session is
+built from the config once (config objects stop at this layer: models/ and storage/ get plain arguments).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import torch
+
+from configs.schema import Config, flatten, resolved_json
+from models import arithmetic
+from models.bootstrap import greedy_answers, sft
+from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, load_hf, single_token_id
+from models.trainer import LossSettings, PolicyTrainer
+from storage import checkpoints, ledger
+from storage.lake import Lake, atomic_write_bytes, validate_run_id
+from storage.tracking import Tracker
+from tasks.workers import WorkerPool, WorkerSpec
+
+
+@dataclass
+class RunSession:
+    run_id: str
+    cfg: Config
+    lake: Lake
+    tokenizer: object
+    trainer: PolicyTrainer
+    pool: WorkerPool
+    tracker: Tracker
+    train_prompts: list[arithmetic.Prompt]
+    train_token_ids: list[list[int]]
+    eval_prompts: list[arithmetic.Prompt]
+    eval_token_ids: list[list[int]]
+    version: int
+    device: torch.device
+    started_at: float = field(default_factory=time.time)
+    storage_s: float = 0.0  # storage time on the critical path of the current iteration
+    history: list[dict] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+SESSIONS: dict[str, RunSession] = {}
+
+
+def resolve_device(kind: str) -> torch.device:
+    """The one device resolver: auto picks CUDA, then an Ascend NPU, then the CPU (which always works)."""
+    if kind == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
+            return torch.device("npu")
+        return torch.device("cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device is 'cuda' but no CUDA device is visible; use trainer.device=cpu")
+    if kind == "npu":
+        import importlib.util
+
+        if importlib.util.find_spec("torch_npu") is None:
+            raise RuntimeError("trainer.device is 'npu' but torch_npu is missing: pip install 'lockstep-rl[npu]'")
+        import torch_npu  # noqa: F401
+    return torch.device(kind)
+
+
+def default_run_id(cfg: Config) -> str:
+    return cfg.run.run_id or f"{cfg.run.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+
+
+def task_prompts(cfg: Config, tokenizer) -> tuple[list, list, list, list]:
+    t = cfg.task
+    train, held_out = arithmetic.build_splits(t.max_operand, tuple(t.ops), t.n_eval, t.split_seed)
+    train_prompts = arithmetic.make_prompts(train, train, t.n_shots, t.split_seed)
+    eval_prompts = arithmetic.make_prompts(held_out, train, t.n_shots, t.split_seed + 1)
+
+    def encode(prompts):
+        ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+        too_long = [p.prompt_id for p, i in zip(prompts, ids) if len(i) > t.max_prompt_tokens]
+        if too_long:
+            raise ValueError(f"{len(too_long)} prompts exceed task.max_prompt_tokens={t.max_prompt_tokens} "
+                             f"(e.g. prompt {too_long[0]}); lower task.n_shots or raise the limit")
+        return ids
+
+    return train_prompts, encode(train_prompts), eval_prompts, encode(eval_prompts)
+
+
+def bootstrap_key(cfg: Config) -> str:
+    key = {"model": cfg.model.model_dump(mode="json"), "task": cfg.task.model_dump(mode="json"),
+           "bootstrap": cfg.bootstrap.model_dump(mode="json"), "seed": cfg.run.seed, "alphabet": DEFAULT_ALPHABET,
+           "format": 2}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
+    """The initial policy v0 as an HF directory in the lake (`bootstrap/{key}`); built once, then reused."""
+    final = f"{lake.root}/bootstrap/{bootstrap_key(cfg)}"
+    if lake.fs.exists(f"{final}/MANIFEST.json"):
+        checkpoints.verify_checkpoint(lake, final)
+        return final, True
+    if cfg.model.path:
+        model, tokenizer = load_hf(cfg.model.path)
+    else:
+        tokenizer = build_char_tokenizer()
+        m = cfg.model.tiny
+        model = build_tiny_model(len(tokenizer), arch=m.arch, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                                 num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                                 intermediate_size=m.intermediate_size, seed=cfg.run.seed,
+                                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+    train_prompts, train_ids, _, _ = task_prompts(cfg, tokenizer)
+    seqs = [tokenizer(p.text + p.answer + "\n", add_special_tokens=False)["input_ids"] for p in train_prompts]
+    b = cfg.bootstrap
+    stop_when = None
+    if b.target_accuracy is not None:  # checked on training prompts: the held-out split stays unseen
+        check = list(range(min(b.check_prompts, len(train_prompts))))
+
+        def stop_when(step: int) -> bool:
+            acc = accuracy(model, tokenizer, [train_ids[i] for i in check], [train_prompts[i] for i in check],
+                           cfg.eval.max_new_tokens)
+            return acc >= b.target_accuracy
+
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.run.seed)
+        stats = sft(model, seqs, steps=b.steps, batch_size=b.batch_size, lr=b.lr, seed=cfg.run.seed,
+                    pad_token_id=tokenizer.pad_token_id, on_progress=on_progress, stop_when=stop_when,
+                    check_every=b.check_every)
+    checkpoints.save_model_dir(lake, final, f"{lake.root}/_tmp/bootstrap-{bootstrap_key(cfg)}-{time.time_ns()}",
+                               model, tokenizer, extra_state={"bootstrap": stats})
+    return final, False
+
+
+def accuracy(model, tok, token_ids: list[list[int]], prompts: list[arithmetic.Prompt], max_new_tokens: int) -> float:
+    """Exact match of the greedy answer."""
+    was_training = model.training
+    outs = greedy_answers(model, token_ids, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, stop_token_id=single_token_id(tok, "\n"))
+    model.train(was_training)
+    hits = sum(arithmetic.extract_answer(tok.decode(o, skip_special_tokens=True)) == p.answer
+               for o, p in zip(outs, prompts))
+    return hits / len(prompts)
+
+
+def evaluate(session: RunSession) -> float:
+    """Held-out accuracy: exact match of the greedy answer."""
+    return accuracy(session.trainer.model, session.tokenizer, session.eval_token_ids, session.eval_prompts,
+                    session.cfg.eval.max_new_tokens)
+
+
+def open_session(cfg: Config, on_progress=None) -> RunSession:
+    """Create (or reopen) the run: frozen config, v0, trainer, rollout workers, MLflow run."""
+    run_id = validate_run_id(default_run_id(cfg))
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.run_id = run_id
+    lake = Lake(cfg.lake.uri)
+    torch.set_num_threads(cfg.resources.train_threads)
+    device = resolve_device(cfg.trainer.device)
+    config_path = f"{lake.run_dir(run_id)}/config.json"
+    if not lake.fs.exists(config_path):
+        atomic_write_bytes(lake, run_id, config_path, resolved_json(cfg).encode())
+
+    v0_dir, cached = bootstrap_v0(cfg, lake, on_progress)
+    local_v0 = checkpoints.local_copy(lake, v0_dir, tempfile.gettempdir())
+    model, tokenizer = load_hf(local_v0)
+    torch.manual_seed(cfg.run.seed)
+    version = checkpoints.promoted_version(lake, run_id)
+    ref_model = copy.deepcopy(model).requires_grad_(False).to(device) if cfg.algorithm.kl_coef > 0 else None
+    a = cfg.algorithm
+    loss = LossSettings(advantage=a.advantage, loss_agg=a.loss_agg, clip_low=a.clip_low, clip_high=a.clip_high,
+                        dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl_kind,
+                        temperature=cfg.rollout.temperature, norm_len=cfg.rollout.max_new_tokens)
+    trainer = PolicyTrainer(model.to(device), ref_model, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
+                            betas=(cfg.trainer.beta1, cfg.trainer.beta2), grad_clip=cfg.trainer.grad_clip, loss=loss,
+                            pad_token_id=tokenizer.pad_token_id, shared_prompt=cfg.train.shared_prompt)
+    if version is None:
+        path = checkpoints.save_checkpoint(lake, run_id, 0, trainer.model, tokenizer, trainer.optimizer,
+                                           {"bootstrap_cached": cached})
+        checkpoints.promote(lake, run_id, 0)
+        version = 0
+    else:  # reopen: continue from the promoted checkpoint with its optimizer and RNG state
+        path = lake.checkpoint_dir(run_id, version)
+        checkpoints.load_into(trainer.model, checkpoints.load_weights(lake, path))
+        checkpoints.load_trainer_state(lake, path, trainer.optimizer)
+
+    train_prompts, train_ids, eval_prompts, eval_ids = task_prompts(cfg, tokenizer)
+    spec = WorkerSpec(
+        lake_uri=cfg.lake.uri, run_id=run_id, model_dir=local_v0, threads=cfg.resources.rollout_threads,
+        run_seed=cfg.run.seed, group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, partial_credit=cfg.task.partial_credit,
+        compression=cfg.lake.compression,
+        prompts=[(p.prompt_id, p.text, p.answer, i) for p, i in zip(train_prompts, train_ids)],
+    )
+    pool = WorkerPool(cfg.resources.rollout_workers, spec)
+    if cfg.tracking.enabled:
+        tracker = Tracker.start(cfg.tracking.uri, cfg.tracking.experiment or cfg.run.name, run_id,
+                                tags={"lockstep.mode": cfg.pipeline.mode})
+        tracker.log_params(flatten(cfg))
+    else:
+        tracker = Tracker.disabled()
+    session = RunSession(run_id, cfg, lake, tokenizer, trainer, pool, tracker, train_prompts, train_ids,
+                         eval_prompts, eval_ids, version, device)
+    SESSIONS[run_id] = session
+    return session
+
+
+def iteration_prompt_ids(cfg: Config, n_train: int, iteration: int) -> list[int]:
+    """The batch of iteration k: epoch-wise permutations of the train prompts seeded by (run seed, epoch)."""
+    import random
+
+    B = cfg.rollout.prompts_per_iteration
+    out: list[int] = []
+    pos = iteration * B
+    while len(out) < B:
+        epoch, offset = divmod(pos, n_train)
+        perm = list(range(n_train))
+        random.Random(cfg.run.seed * 7919 + epoch).shuffle(perm)
+        take = min(B - len(out), n_train - offset)
+        out.extend(perm[offset : offset + take])
+        pos += take
+    return out
+
+
+def ledger_state(session: RunSession, iteration: int) -> str | None:
+    rec = ledger.read_record(session.lake, session.run_id, iteration)
+    return rec["state"] if rec else None

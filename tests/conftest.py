@@ -1,0 +1,39 @@
+"""Shared test setup: one torch thread (the suite shares a 2-core machine), quiet services, a tiny HF model."""
+
+from __future__ import annotations
+
+import os
+
+# Before Prefect, MLflow or tokenizers are imported anywhere in the session.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # its shutdown INFO lines hit pytest's closed streams
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+
+
+@dataclass
+class TinyHF:
+    tokenizer: object  # PreTrainedTokenizerFast (character level)
+    model: torch.nn.Module  # Qwen2ForCausalLM, fp32, eval mode
+
+
+@pytest.fixture
+def tiny_hf() -> TinyHF:
+    """A fresh character tokenizer and tiny Qwen2 (seed 0) per test, so tests may train or modify the model."""
+    from models.tiny import build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(len(tokenizer), seed=0, **TINY)
+    return TinyHF(tokenizer, model)

@@ -1,0 +1,288 @@
+"""storage/checkpoints.py and storage/ledger.py: a saved checkpoint is a Hugging Face directory that loads as it is,
+trainer state restores exactly, verification catches damage, promotion refuses incomplete checkpoints, and the
+ledger's state machine refuses illegal transitions."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from models.tiny import build_tiny_model
+from storage import ledger
+from storage.checkpoints import (
+    CheckpointError,
+    load_into,
+    load_trainer_state,
+    load_weights,
+    promote,
+    promoted_version,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from storage.lake import Lake, validate_run_id
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+RUN = "ckpt-run"
+TEXT = "Q: 12+7=?\nA: 19\nQ: 3*4=?\nA: "
+
+
+@pytest.fixture
+def lake(tmp_path) -> Lake:
+    return Lake(str(tmp_path / "lake"))
+
+
+def fixed_input(tokenizer) -> torch.Tensor:
+    return torch.tensor([tokenizer(TEXT)["input_ids"]])  # (1, 28)
+
+
+def train_steps(model, steps: int = 2, lr: float = 1e-2) -> torch.optim.AdamW:
+    """A few AdamW steps of next-token loss on a fixed batch, so the optimizer has non-trivial state."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    ids = torch.arange(4, 20).repeat(2, 1)  # (2, 16)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    return opt
+
+
+# ------------------------------------------------------------------------------------------------ HF round trip
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_checkpoint_loads_with_from_pretrained(tiny_hf, lake, arch):
+    tok = tiny_hf.tokenizer
+    model = tiny_hf.model if arch == "qwen2" else build_tiny_model(len(tok), arch="llama", seed=3, **TINY)
+    train_steps(model)  # weights differ from any fresh init, so equality below cannot be a coincidence
+    path = save_checkpoint(lake, RUN, 1, model, tok)
+    promote(lake, RUN, 1)
+    assert promoted_version(lake, RUN) == 1
+
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(loaded) is type(model)
+    ids = fixed_input(tok)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    assert torch.equal(got, expected)
+    # and through the lake's own reader (what rollout workers use to pick up a promoted version)
+    fresh = build_tiny_model(len(tok), arch=arch, seed=99, **TINY)
+    load_into(fresh, load_weights(lake, path))
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, expected)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_tokenizer_round_trips(tiny_hf, lake, arch):
+    tok = tiny_hf.tokenizer
+    model = tiny_hf.model if arch == "qwen2" else build_tiny_model(len(tok), arch="llama", **TINY)
+    path = save_checkpoint(lake, RUN, 0, model, tok)
+    loaded = AutoTokenizer.from_pretrained(path)
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id, loaded.unk_token_id) == (0, 1, 2, 3)
+    expected = tok(TEXT)["input_ids"]
+    assert len(expected) == len(TEXT)  # one token per character
+    assert loaded.decode(expected) == TEXT
+    ids = loaded(TEXT)["input_ids"]
+    assert ids == expected
+
+
+def test_checkpoint_layout(tiny_hf, lake):
+    path = save_checkpoint(lake, RUN, 3, tiny_hf.model, tiny_hf.tokenizer, extra_state={"iteration": 2})
+    assert path == f"{lake.root}/runs/{RUN}/checkpoints/v000003"
+    files = set(os.listdir(path))
+    assert {"config.json", "model.safetensors", "MANIFEST.json", "trainer_state"} <= files
+    manifest = json.loads(Path(path, "MANIFEST.json").read_text())
+    assert "model.safetensors" in manifest and "trainer_state/state.json" in manifest
+    # nothing left in the temporary area, nothing pickled
+    assert list(Path(lake.run_dir(RUN)).glob("_tmp/*")) == []
+    assert not [p for p in Path(path).rglob("*") if p.suffix in (".bin", ".pt", ".pkl", ".pth")]
+    assert promoted_version(lake, RUN) is None  # saving does not promote
+
+
+# ------------------------------------------------------------------------------------------------ trainer state
+
+
+def test_optimizer_and_rng_state_restore_exactly(tiny_hf, lake):
+    model = tiny_hf.model
+    opt = train_steps(model, steps=2)
+    torch.manual_seed(1234)
+    path = save_checkpoint(lake, RUN, 2, model, tiny_hf.tokenizer, optimizer=opt, extra_state={"iteration": 1})
+    after_save = torch.rand(5)  # what the RNG gives right after the checkpoint
+
+    # a new process would build the model from the checkpoint and a fresh optimizer
+    model2 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=123.0)  # wrong lr on purpose: param_groups must come back
+    torch.manual_seed(0)
+    state = load_trainer_state(lake, path, opt2)
+    assert state == {"version": 2, "iteration": 1}
+    assert torch.equal(torch.rand(5), after_save)
+
+    sd1, sd2 = opt.state_dict(), opt2.state_dict()
+    # JSON turns the betas tuple into a list; equal as values
+    assert json.loads(json.dumps(sd2["param_groups"])) == json.loads(json.dumps(sd1["param_groups"]))
+    assert sd1["param_groups"][0]["lr"] == 1e-2
+    assert sd1["state"].keys() == sd2["state"].keys() and len(sd1["state"]) == len(list(model.parameters()))
+    for pid, st in sd1["state"].items():
+        assert st.keys() == sd2["state"][pid].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for k, v in st.items():
+            assert torch.equal(sd2["state"][pid][k], v), (pid, k)
+        assert float(st["step"]) == 2.0
+
+    # one more identical step on both keeps them bit-identical (the restored state is really used)
+    train_steps_with(model, opt)
+    train_steps_with(model2, opt2)
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), model2.named_parameters(), strict=True):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+
+
+def train_steps_with(model, opt) -> None:
+    ids = torch.arange(6, 22).repeat(2, 1)  # (2, 16)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def test_negative_control_fresh_optimizer_diverges(tiny_hf, lake):
+    """Without the restored state the next step differs: the exact-equality assertion above is not vacuous."""
+    model = tiny_hf.model
+    opt = train_steps(model, steps=2)
+    path = save_checkpoint(lake, RUN, 2, model, tiny_hf.tokenizer, optimizer=opt)
+    model2 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.01)  # same settings, no moments
+    train_steps_with(model, opt)
+    train_steps_with(model2, opt2)
+    diffs = [
+        float((p1 - p2).detach().abs().max()) for p1, p2 in zip(model.parameters(), model2.parameters(), strict=True)
+    ]
+    assert max(diffs) > 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ verify / promote
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "config.json", "trainer_state/state.json"])
+def test_verify_detects_a_modified_file(tiny_hf, lake, victim):
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    verify_checkpoint(lake, path)  # intact: no error
+    f = Path(path, victim)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"checkpoint file {path}/{victim} does not match its manifest"):
+        verify_checkpoint(lake, path)
+    with pytest.raises(CheckpointError):
+        promote(lake, RUN, 1)
+    assert promoted_version(lake, RUN) is None
+
+
+def test_promote_refuses_incomplete_checkpoint_and_keeps_previous(tiny_hf, lake):
+    save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    promote(lake, RUN, 1)
+    path2 = save_checkpoint(lake, RUN, 2, tiny_hf.model, tiny_hf.tokenizer)
+    Path(path2, "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointError, match=f"checkpoint {path2} has no MANIFEST.json"):
+        promote(lake, RUN, 2)
+    assert promoted_version(lake, RUN) == 1
+    assert json.loads(Path(lake.promoted_file(RUN)).read_text()) == {"version": 1}
+
+
+def test_promote_of_missing_version_fails(tiny_hf, lake):
+    with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
+        promote(lake, RUN, 7)
+    assert promoted_version(lake, RUN) is None
+
+
+def test_verify_detects_a_missing_file(tiny_hf, lake):
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    Path(path, "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        verify_checkpoint(lake, path)
+
+
+def test_resave_replaces_an_unpromoted_checkpoint(tiny_hf, lake):
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    Path(path, "stray.txt").write_text("left by an earlier attempt")
+    train_steps(tiny_hf.model, steps=1)
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    assert not Path(path, "stray.txt").exists()
+    verify_checkpoint(lake, path)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = fixed_input(tiny_hf.tokenizer)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, tiny_hf.model(input_ids=ids).logits)
+
+
+# ------------------------------------------------------------------------------------------------ ledger
+
+
+def test_ledger_legal_path(lake):
+    for state in ("planned", "rolling_out", "rolling_out", "trained", "promoted"):
+        rec = ledger.write_record(lake, RUN, 0, state, note=state)
+    assert rec["state"] == "promoted" and rec["note"] == "promoted"
+    assert [h["state"] for h in rec["history"]] == ["planned", "rolling_out", "rolling_out", "trained", "promoted"]
+    assert ledger.read_record(lake, RUN, 0) == rec
+    assert Path(lake.ledger_file(RUN, 0)).name == "iter-000000.json"
+
+
+def test_ledger_failed_then_resumed(lake):
+    ledger.write_record(lake, RUN, 3, "planned", policy_version=3)
+    ledger.write_record(lake, RUN, 3, "rolling_out")
+    ledger.write_record(lake, RUN, 3, "failed", reason="worker died")
+    rec = ledger.write_record(lake, RUN, 3, "planned")
+    assert rec["state"] == "planned" and rec["reason"] == "worker died" and rec["policy_version"] == 3
+    assert [h["state"] for h in rec["history"]] == ["planned", "rolling_out", "failed", "planned"]
+
+
+@pytest.mark.parametrize(
+    "prev,bad",
+    [
+        (["planned", "rolling_out", "trained", "promoted"], "planned"),
+        (["planned", "rolling_out", "trained", "promoted"], "failed"),
+        (["planned"], "trained"),
+        (["planned"], "promoted"),
+        (["planned", "rolling_out"], "promoted"),
+        (["planned", "failed"], "trained"),
+    ],
+)
+def test_ledger_illegal_transitions(lake, prev, bad):
+    for s in prev:
+        ledger.write_record(lake, RUN, 1, s)
+    with pytest.raises(ValueError, match=f"iteration 1: illegal transition {prev[-1]} -> {bad}"):
+        ledger.write_record(lake, RUN, 1, bad)
+    assert ledger.read_record(lake, RUN, 1)["state"] == prev[-1]  # the record is unchanged
+
+
+def test_ledger_read_all_in_order(lake):
+    assert ledger.read_all(lake, RUN) == []
+    for k in (2, 0, 1):
+        ledger.write_record(lake, RUN, k, "planned")
+    assert [r["iteration"] for r in ledger.read_all(lake, RUN)] == [0, 1, 2]
+    assert ledger.read_record(lake, RUN, 9) is None
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "", ".hidden", "..", "a..b", "x" * 129, "a b", "run\n", None, 5])
+def test_validate_run_id_rejects(bad):
+    with pytest.raises(ValueError, match="invalid run id"):
+        validate_run_id(bad)
+
+
+def test_validate_run_id_rejects_in_paths(lake):
+    with pytest.raises(ValueError, match="invalid run id"):
+        lake.run_dir("../escape")
+    with pytest.raises(ValueError, match="invalid run id"):
+        ledger.write_record(lake, "a/b", 0, "planned")
+
+
+@pytest.mark.parametrize("good", ["arith-tiny-20250101T000000Z", "a", "A.b_c-1", "x" * 128])
+def test_validate_run_id_accepts(good):
+    assert validate_run_id(good) == good

@@ -1,0 +1,345 @@
+"""configs/schema.py and the CLI's handling of bad configs: every shipped YAML parses, every kind of bad input
+fails at load with the file, the dotted field path and the reason, and `lockstep train` exits 2 without a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs.schema import Config, ConfigError, flatten, load_config, parse_overrides, resolved_json
+from flows import cli
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_FILES = sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "configs").glob("*.yml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "bad.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def load_error(path, overrides=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    return str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------ good configs
+
+
+def test_configs_dir_is_not_empty():
+    # guards the parametrised test below against silently running zero cases
+    assert any(p.name == "arith-tiny.yaml" for p in CONFIG_FILES)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_shipped_yaml_parses_and_round_trips(path):
+    cfg = load_config(path)
+    # the resolved JSON saved with a run must load back to the same config
+    again = Config.model_validate(json.loads(resolved_json(cfg)))
+    assert again == cfg
+    # every key written in the file is honoured (a typo would have been refused as an extra key)
+    import yaml
+
+    raw = yaml.safe_load(path.read_text()) or {}
+    flat = flatten(cfg)
+    for section, fields in raw.items():
+        for key, value in (fields or {}).items():
+            if not isinstance(value, dict):
+                assert flat[f"{section}.{key}"] == value, f"{path.name}: {section}.{key}"
+
+
+def test_arith_tiny_values():
+    cfg = load_config(REPO / "configs" / "arith-tiny.yaml")
+    assert cfg.run.name == "arith-tiny" and cfg.run.iterations == 60
+    assert cfg.model.path is None and cfg.model.tiny.hidden_size == 128 and cfg.model.tiny.num_kv_heads == 2
+    assert cfg.bootstrap.lr == 3.0e-3 and isinstance(cfg.bootstrap.lr, float)
+    assert cfg.train.micro_batch_tokens == 4096
+    assert cfg.pipeline.mode == "periodic"
+
+
+def test_defaults():
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.run.name == "lockstep" and cfg.run.run_id is None and cfg.run.seed == 0
+    assert cfg.lake.uri == "./lake" and cfg.lake.compression is None
+    assert cfg.trainer.lr == 1e-4 and cfg.trainer.grad_clip == 1.0 and cfg.trainer.device == "auto"
+    assert cfg.rollout.group_size == 8 and cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0
+    assert cfg.task.ops == ["+"] and cfg.task.n_shots == 8 and cfg.task.partial_credit == 0.5
+    assert cfg.pipeline.mode == "periodic" and cfg.pipeline.max_staleness == 0
+    assert cfg.algorithm.advantage == "grpo" and cfg.algorithm.loss_agg == "token-mean"
+
+
+def test_empty_file_gives_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == Config()
+
+
+def test_flatten_uses_dotted_paths():
+    flat = flatten(load_config(None))
+    assert flat["trainer.lr"] == 1e-4
+    assert flat["model.tiny.arch"] == "qwen2"
+    assert flat["task.ops"] == ["+"]
+
+
+# ------------------------------------------------------------------------------------------------ overrides
+
+
+def test_override_scientific_float():
+    # YAML 1.1 reads '1e-5' as a string; the loader must give the float a user means
+    cfg = load_config(REPO / "configs" / "arith-tiny.yaml", ["trainer.lr=1e-5"])
+    assert cfg.trainer.lr == 1e-5 and type(cfg.trainer.lr) is float
+    assert parse_overrides(["trainer.lr=1e-5"]) == [("trainer.lr", 1e-5)]
+
+
+def test_override_literal_int_bool_null():
+    cfg = load_config(
+        None,
+        [
+            "pipeline.mode=sync",
+            "rollout.group_size=4",
+            "train.shared_prompt=false",
+            "trainer.grad_clip=null",
+            "model.tiny.arch=llama",
+        ],
+    )
+    assert cfg.pipeline.mode == "sync"
+    assert cfg.rollout.group_size == 4 and type(cfg.rollout.group_size) is int
+    assert cfg.train.shared_prompt is False
+    assert cfg.trainer.grad_clip is None
+    assert cfg.model.tiny.arch == "llama"
+
+
+def test_override_list_value():
+    cfg = load_config(None, ['task.ops=["+", "*"]'])
+    assert cfg.task.ops == ["+", "*"]
+    cfg = load_config(None, ["task.ops=[+, -]"])
+    assert cfg.task.ops == ["+", "-"]
+
+
+def test_override_beats_file_and_keeps_siblings(tmp_path):
+    p = write(tmp_path, "trainer: {lr: 0.5, weight_decay: 0.1}\n", "ok.yaml")
+    cfg = load_config(p, ["trainer.lr=0.25"])
+    assert cfg.trainer.lr == 0.25 and cfg.trainer.weight_decay == 0.1
+
+
+def test_override_value_with_equals_sign():
+    # only the first '=' splits key from value
+    assert parse_overrides(["tracking.uri=sqlite:///a=b.db"]) == [("tracking.uri", "sqlite:///a=b.db")]
+
+
+def test_override_string_containing_e_stays_a_string():
+    cfg = load_config(None, ["lake.uri=./lake-e.test", "run.name=periodic-e"])
+    assert cfg.lake.uri == "./lake-e.test" and cfg.run.name == "periodic-e"
+
+
+# ------------------------------------------------------------------------------------------------ bad configs
+
+
+def test_unknown_top_level_key(tmp_path):
+    p = write(tmp_path, "trainr:\n  lr: 1.0e-4\n")
+    msg = load_error(p)
+    assert str(p) in msg
+    assert "trainr: Extra inputs are not permitted" in msg
+
+
+def test_unknown_nested_key(tmp_path):
+    p = write(tmp_path, "trainer:\n  lrr: 1.0e-4\n")
+    msg = load_error(p)
+    assert str(p) in msg
+    assert "trainer.lrr: Extra inputs are not permitted" in msg
+
+
+def test_unknown_deeply_nested_key(tmp_path):
+    p = write(tmp_path, "model:\n  tiny:\n    hidden: 64\n")
+    msg = load_error(p)
+    assert str(p) in msg and "model.tiny.hidden: Extra inputs are not permitted" in msg
+
+
+def test_wrong_type(tmp_path):
+    p = write(tmp_path, "trainer:\n  lr: fast\n")
+    msg = load_error(p)
+    assert str(p) in msg
+    assert "trainer.lr: Input should be a valid number" in msg and "(got 'fast')" in msg
+
+
+def test_section_given_as_scalar(tmp_path):
+    p = write(tmp_path, "trainer: 5\n")
+    msg = load_error(p)
+    assert str(p) in msg and "trainer: Input should be a valid dictionary" in msg
+
+
+def test_out_of_range_value(tmp_path):
+    p = write(tmp_path, "rollout:\n  group_size: 0\n")
+    msg = load_error(p)
+    assert str(p) in msg
+    assert "rollout.group_size: Input should be greater than or equal to 1 (got 0)" in msg
+
+
+def test_out_of_range_exclusive_bound(tmp_path):
+    p = write(tmp_path, "task:\n  partial_credit: 1.0\n")
+    msg = load_error(p)
+    assert "task.partial_credit: Input should be less than 1" in msg and "(got 1.0)" in msg
+
+
+def test_bad_literal_choice(tmp_path):
+    p = write(tmp_path, "pipeline:\n  mode: turbo\n")
+    msg = load_error(p)
+    assert str(p) in msg
+    assert "pipeline.mode: Input should be 'sync', 'periodic' or 'async' (got 'turbo')" in msg
+
+
+def test_bad_literal_inside_list(tmp_path):
+    p = write(tmp_path, "task:\n  ops: ['+', '/']\n")
+    msg = load_error(p)
+    # the list index is part of the path
+    assert "task.ops.1: Input should be '+', '-' or '*' (got '/')" in msg
+
+
+def test_several_errors_are_all_reported(tmp_path):
+    p = write(tmp_path, "trainer:\n  lr: -1\nrollout:\n  top_p: 2\n")
+    msg = load_error(p)
+    assert "trainer.lr: Input should be greater than 0" in msg
+    assert "rollout.top_p: Input should be less than or equal to 1" in msg
+
+
+def test_missing_file(tmp_path):
+    p = tmp_path / "nope.yaml"
+    msg = load_error(p)
+    assert f"config file {p} does not exist" in msg
+
+
+def test_directory_is_not_a_config(tmp_path):
+    msg = load_error(tmp_path)
+    assert f"config file {tmp_path} does not exist" in msg
+
+
+def test_invalid_yaml(tmp_path):
+    p = write(tmp_path, "trainer:\n  lr: [1, 2\n")
+    msg = load_error(p)
+    assert f"config file {p} is not valid YAML" in msg
+    assert "line" in msg  # the parser's position, so the user can find it
+
+
+def test_non_mapping_top_level(tmp_path):
+    p = write(tmp_path, "- trainer\n- lr\n")
+    msg = load_error(p)
+    assert f"config file {p}: the top level must be a mapping of sections, got list" in msg
+
+
+def test_malformed_override_without_equals():
+    msg = load_error(None, ["foo"])
+    assert "override 'foo': expected KEY=VALUE" in msg
+
+
+def test_override_with_empty_key_part():
+    msg = load_error(None, ["trainer..lr=1"])
+    assert "empty key in 'trainer..lr'" in msg
+
+
+def test_override_into_a_scalar_field(tmp_path):
+    p = write(tmp_path, "trainer:\n  lr: 1.0e-4\n", "ok.yaml")
+    msg = load_error(p, ["trainer.lr.x=1"])
+    assert "'lr' is not a section" in msg
+
+
+def test_override_with_invalid_yaml_value():
+    msg = load_error(None, ["task.ops=[+"])
+    assert "override 'task.ops=[+': value is not valid YAML" in msg
+
+
+def test_override_that_fails_validation_names_the_field(tmp_path):
+    p = write(tmp_path, "", "ok.yaml")
+    msg = load_error(p, ["rollout.temperature=0"])
+    assert str(p) in msg and "rollout.temperature: Input should be greater than 0" in msg
+
+
+def test_unknown_key_through_override():
+    msg = load_error(None, ["trainer.learning_rate=1e-5"])
+    assert "(defaults)" in msg and "trainer.learning_rate: Extra inputs are not permitted" in msg
+
+
+def test_cross_field_staleness_needs_async(tmp_path):
+    p = write(tmp_path, "pipeline:\n  mode: periodic\n  max_staleness: 2\n")
+    msg = load_error(p)
+    assert str(p) in msg
+    assert "pipeline.max_staleness applies to mode 'async' only" in msg
+
+
+def test_cross_field_heads(tmp_path):
+    # 4 heads over 3 kv heads: 4 % 3 != 0
+    p = write(tmp_path, "model:\n  tiny: {num_heads: 4, num_kv_heads: 3}\n")
+    msg = load_error(p)
+    assert str(p) in msg
+    assert "model.tiny: num_kv_heads must divide num_heads" in msg
+
+
+def test_cross_field_hidden_size_divisible_by_heads(tmp_path):
+    # 130 % 4 = 2
+    p = write(tmp_path, "model:\n  tiny: {hidden_size: 130, num_heads: 4, num_kv_heads: 2}\n")
+    assert "num_heads must divide hidden_size" in load_error(p)
+
+
+def test_unavailable_choices_fail_at_load():
+    assert "pipeline.mode 'async' is not available yet" in load_error(None, ["pipeline.mode=async"])
+    assert "rollout.engine 'vllm' is not available yet" in load_error(None, ["rollout.engine=vllm"])
+
+
+def test_validate_assignment_guards_later_edits():
+    cfg = load_config(None)
+    with pytest.raises(ValueError):
+        cfg.trainer.lr = -1.0
+    assert cfg.trainer.lr == 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+def cli_stderr(capsys) -> str:
+    # rich wraps at the console width (80 under capture): compare with whitespace runs collapsed
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return " ".join(err.split())
+
+
+def test_cli_bad_config_exits_2_without_traceback(tmp_path, capsys):
+    p = write(tmp_path, "rollout:\n  group_size: 0\n")
+    assert cli.main(["train", str(p)]) == 2
+    err = cli_stderr(capsys)
+    assert "rollout.group_size: Input should be greater than or equal to 1" in err
+    assert str(p) in err.replace(" ", "")  # a path longer than the console width is folded
+
+
+def test_cli_bad_override_exits_2(tmp_path, capsys):
+    assert cli.main(["train", str(REPO / "configs" / "arith-tiny.yaml"), "-o", "pipeline.mode=turbo"]) == 2
+    err = cli_stderr(capsys)
+    assert "pipeline.mode: Input should be 'sync', 'periodic' or 'async' (got 'turbo')" in err
+
+
+def test_cli_missing_file_exits_2(tmp_path, capsys):
+    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
+    err = cli_stderr(capsys)
+    assert "missing.yaml does not exist" in err
+
+
+def test_cli_subprocess_real_exit_code(tmp_path):
+    p = write(tmp_path, "trainer:\n  lrr: 1\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", str(p)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "trainer.lrr" in proc.stderr and "Extra inputs are not permitted" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""

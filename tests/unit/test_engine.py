@@ -1,0 +1,281 @@
+"""models/engine.py: the built-in generation engine against the trainer's recomputation (models/packing.py), seeds,
+temperature, top-p, greedy and stopping. fp32 throughout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.engine import SamplingParams, _sampling_logprobs, generate_groups, sample_seed
+from models.packing import Group, pack, packed_logits, token_logprobs
+from models.tiny import single_token_id
+
+PAD, EOS = 0, 2
+G = 4
+
+
+@pytest.fixture
+def model(tiny_hf):
+    # A random tiny model is nearly uniform over 53 tokens (entropy ~ln 53 = 3.97); scaling the final norm by 6 gives
+    # entropy ~3.0 nats and a top-0.5 nucleus of ~5 tokens, so sampling, temperature and top-p all matter.
+    m = tiny_hf.model
+    with torch.no_grad():
+        m.model.norm.weight.mul_(6.0)
+    return m
+
+
+@pytest.fixture
+def prompts(tiny_hf):
+    tok = tiny_hf.tokenizer
+    texts = ["Q: 12+7=?\nA: ", "Q: 3+4=?\nA: 7\nQ: 20+9=?\nA: ", "Q: 0+0=?\nA: 0\nQ: 1+1"]  # 13, 27, 20 tokens
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def seeds_for(prompt_ids: list[int], group_size: int = G, run_seed: int = 0, iteration: int = 0) -> list[list[int]]:
+    return [[sample_seed(run_seed, iteration, p, j) for j in range(group_size)] for p in prompt_ids]
+
+
+def generate(model, prompts, params, seeds=None, group_size=G, eos=EOS):
+    seeds = seeds if seeds is not None else seeds_for(list(range(len(prompts))), group_size)
+    return generate_groups(model, prompts, group_size, params, seeds, eos_token_id=eos, pad_token_id=PAD)
+
+
+def recompute(model, prompts, groups, shared: bool):
+    """The trainer's view of the same tokens: logits (S, T, V), targets (S, T), mask (S, T)."""
+    packed = pack([Group(p, [s.response_ids for s in g]) for p, g in zip(prompts, groups, strict=True)], PAD, shared)
+    with torch.no_grad():
+        logits = packed_logits(model, packed)
+    return logits, packed.targets, packed.mask
+
+
+def stored(groups) -> torch.Tensor:
+    """Engine log-probs as (S, T), zero-padded like the packing's targets."""
+    flat = [s.logprobs for g in groups for s in g]
+    out = torch.zeros(len(flat), max(len(x) for x in flat))
+    for i, lp in enumerate(flat):
+        out[i, : len(lp)] = torch.tensor(lp)
+    return out
+
+
+def max_masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(((a - b).abs() * mask).max())
+
+
+# ------------------------------------------------------------------------------------------------ parity with the trainer
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_engine_logprobs_equal_trainer_recompute(model, tiny_hf, prompts, shared, temperature, ragged):
+    # ragged: stop at ' ' (this model's most frequent token) so responses end at different steps and the packing
+    # has padding inside the (S, T) table and between responses of a shared row
+    stop = single_token_id(tiny_hf.tokenizer, " ") if ragged else None
+    groups = generate(
+        model, prompts, SamplingParams(max_new_tokens=8, temperature=temperature, stop_on_newline_id=stop)
+    )
+    if ragged:
+        assert len({len(s.response_ids) for g in groups for s in g}) > 1
+    logits, targets, mask = recompute(model, prompts, groups, shared)
+    assert mask.sum() == sum(len(s.response_ids) for g in groups for s in g) > 0
+    engine = stored(groups)
+    assert max_masked_diff(engine, token_logprobs(logits, targets, temperature), mask) <= 1e-4
+    if temperature != 1.0:
+        # negative control: the log-probs at T=1 are not those of the T=0.5 distribution actually sampled from
+        assert max_masked_diff(engine, token_logprobs(logits, targets, 1.0), mask) > 0.1
+
+
+def test_negative_control_wrong_model_breaks_parity(model, tiny_hf, prompts):
+    """Recomputing with other weights (a stale policy) breaks the same 1e-4 bound by a wide margin."""
+    groups = generate(model, prompts, SamplingParams(max_new_tokens=8))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.01)  # a 1% change of one tensor
+    logits, targets, mask = recompute(model, prompts, groups, shared=True)
+    assert max_masked_diff(stored(groups), token_logprobs(logits, targets), mask) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------ seeds
+
+
+def test_same_seed_same_tokens_regardless_of_batch(model, prompts):
+    params = SamplingParams(max_new_tokens=8)
+    a_seeds = seeds_for([42])[0]
+    alone = generate(model, [prompts[0]], params, seeds=[a_seeds])[0]
+    # prompt 0 is the shortest: in a batch it is left-padded, and its neighbours differ
+    batch = generate(
+        model, [prompts[1], prompts[0], prompts[2]], params, seeds=[seeds_for([7])[0], a_seeds, seeds_for([8])[0]]
+    )[1]
+    assert [s.response_ids for s in alone] == [s.response_ids for s in batch]
+    assert [s.seed for s in batch] == a_seeds
+    for x, y in zip(alone, batch, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+def test_same_seeds_are_reproducible(model, prompts):
+    params = SamplingParams(max_new_tokens=8, top_p=0.9)
+    a = generate(model, prompts, params)
+    b = generate(model, prompts, params)
+    assert [[s.response_ids for s in g] for g in a] == [[s.response_ids for s in g] for g in b]
+    assert [[s.logprobs for s in g] for g in a] == [[s.logprobs for s in g] for g in b]
+
+
+def test_different_seeds_give_different_samples(model, prompts):
+    params = SamplingParams(max_new_tokens=8)
+    a = generate(model, prompts, params, seeds=seeds_for([0, 1, 2], iteration=0))
+    b = generate(model, prompts, params, seeds=seeds_for([0, 1, 2], iteration=1))
+    for ga, gb in zip(a, b, strict=True):
+        ra, rb = [tuple(s.response_ids) for s in ga], [tuple(s.response_ids) for s in gb]
+        assert len(set(ra)) == G  # the G samples of a group differ from each other
+        assert all(x != y for x, y in zip(ra, rb, strict=True))  # and from the samples of another iteration
+
+
+def test_sample_seed_is_stable():
+    # blake2b(b"0/0/0/0", digest_size=8) read little-endian, top bit cleared; computed once and frozen here:
+    # a change would silently re-randomise every replayed or resumed run.
+    assert sample_seed(0, 0, 0, 0) == 2485315603693661936
+    assert sample_seed(1234, 7, 42, 3) == 5570260508882111957
+
+
+def test_sample_seed_is_distinct_across_arguments():
+    seeds = {sample_seed(r, i, p, j) for r in range(3) for i in range(4) for p in range(10) for j in range(8)}
+    assert len(seeds) == 3 * 4 * 10 * 8
+    assert all(0 <= s < 2**63 for s in seeds)
+    # the separator keeps digit strings apart: (1, 23) and (12, 3) are different arguments
+    assert sample_seed(1, 23, 0, 0) != sample_seed(12, 3, 0, 0)
+    assert sample_seed(0, 0, 1, 2) != sample_seed(0, 0, 2, 1)
+
+
+# ------------------------------------------------------------------------------------------------ greedy
+
+
+def test_greedy_is_deterministic_and_argmax(model, prompts):
+    a = generate(model, prompts, SamplingParams(max_new_tokens=8, greedy=True), seeds=seeds_for([0, 1, 2]))
+    b = generate(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=8, greedy=True, temperature=0.5),
+        seeds=seeds_for([5, 6, 7], run_seed=9),
+    )
+    assert [[s.response_ids for s in g] for g in a] == [[s.response_ids for s in g] for g in b]
+    for g in a:
+        assert all(s.response_ids == g[0].response_ids for s in g)  # seeds do not matter
+    logits, targets, mask = recompute(model, prompts, a, shared=False)
+    assert torch.equal(logits.argmax(-1)[mask.bool()], targets[mask.bool()])
+    assert max_masked_diff(stored(a), token_logprobs(logits, targets), mask) <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ top-p
+
+
+def test_top_p_hand_computed():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.5, 0.3]]))  # (2, 3)
+    # top_p=0.7: mass before each sorted token is [0, .5, .8]; keep while < .7 -> nucleus {0.5, 0.3};
+    # renormalised: .5/.8 = .625, .3/.8 = .375, the rest -inf. Row 2 is the same distribution permuted.
+    p = _sampling_logprobs(logits, 1.0, 0.7).exp()
+    torch.testing.assert_close(p, torch.tensor([[0.625, 0.375, 0.0], [0.0, 0.625, 0.375]]), atol=1e-6, rtol=0)
+    assert torch.isinf(_sampling_logprobs(logits, 1.0, 0.7)[0, 2])
+    # top_p=0.45: only the top token (it is always kept)
+    p = _sampling_logprobs(logits, 1.0, 0.45).exp()
+    torch.testing.assert_close(p, torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]), atol=1e-6, rtol=0)
+    # top_p=1: no truncation
+    p = _sampling_logprobs(logits, 1.0, 1.0).exp()
+    torch.testing.assert_close(p, torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.5, 0.3]]), atol=1e-6, rtol=0)
+
+
+def test_temperature_applies_before_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    # T=0.5 squares the probabilities: [.25, .09, .04] / .38 = [.657895, .236842, .105263]
+    p = _sampling_logprobs(logits, 0.5, 1.0).exp()
+    torch.testing.assert_close(p, torch.tensor([[0.25, 0.09, 0.04]]) / 0.38, atol=1e-6, rtol=0)
+    # then top_p=0.7: mass before the 3rd is .894737 >= .7 -> dropped; [.25, .09] / .34 = [.735294, .264706, 0]
+    p = _sampling_logprobs(logits, 0.5, 0.7).exp()
+    torch.testing.assert_close(p, torch.tensor([[0.25 / 0.34, 0.09 / 0.34, 0.0]]), atol=1e-6, rtol=0)
+    # top_p=0.6 tells the orders apart: on the sharpened probs the mass before the 2nd is .657895 >= .6, so only the
+    # top token stays -> [1, 0, 0]; truncating the unsharpened probs first (.5 < .6) would keep {0, 1} -> [.735, .265]
+    p = _sampling_logprobs(logits, 0.5, 0.6).exp()
+    torch.testing.assert_close(p, torch.tensor([[1.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_top_p_samples_lie_in_the_nucleus_with_renormalised_logprobs(model, prompts):
+    top_p = 0.5
+    groups = generate(model, prompts, SamplingParams(max_new_tokens=8, top_p=top_p))
+    logits, targets, mask = recompute(model, prompts, groups, shared=True)
+    probs = torch.softmax(logits.double(), dim=-1)  # (S, T, V), computed independently of the engine
+    engine = stored(groups)
+    truncated = renormalised = 0
+    for s in range(mask.shape[0]):
+        for t in range(int(mask[s].sum())):
+            p = probs[s, t]
+            sorted_p, order = torch.sort(p, descending=True)
+            before = torch.cumsum(sorted_p, 0) - sorted_p
+            nucleus = order[before < top_p]  # tokens whose preceding mass is below top_p
+            tok = int(targets[s, t])
+            assert tok in nucleus.tolist(), (s, t)
+            expected = math.log(float(p[tok]) / float(p[nucleus].sum()))
+            assert abs(float(engine[s, t]) - expected) <= 1e-4, (s, t)
+            truncated += len(nucleus) < p.numel()
+            renormalised += abs(expected - math.log(float(p[tok]))) > 1e-3
+    n = int(mask.sum())
+    assert truncated == n and renormalised == n  # the nucleus really cut the tail at every step
+
+
+# ------------------------------------------------------------------------------------------------ stopping
+
+
+def test_eos_stops_every_sample(model, prompts):
+    # add 50 to the EOS logit: p(EOS) >= 1 / (1 + 52 * e^(max_gap - 50)) ~ 1 for this model's logit range
+    bias = torch.zeros(model.config.vocab_size)
+    bias[EOS] = 50.0
+    handle = model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    try:
+        for params in (SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=8, greedy=True)):
+            for g in generate(model, prompts, params):
+                for s in g:
+                    assert s.response_ids == [EOS] and s.finish_reason == "stop"
+                    assert abs(s.logprobs[0]) < 1e-6  # log p(EOS) ~ 0
+    finally:
+        handle.remove()
+
+
+def test_without_stop_samples_run_to_the_length_limit(model, prompts):
+    groups = generate(model, prompts, SamplingParams(max_new_tokens=5), eos=999)  # an id the model never emits
+    assert all(s.finish_reason == "length" and len(s.response_ids) == len(s.logprobs) == 5 for g in groups for s in g)
+
+
+@pytest.mark.parametrize("how", ["eos", "stop_id"])
+def test_stop_token_mid_stream_truncates_only_that_sample(model, prompts, how):
+    free = generate(model, prompts, SamplingParams(max_new_tokens=8), eos=999)
+    # a token that sample 0 first emits at position 2 or later
+    first = free[0][0].response_ids
+    stop = next(t for i, t in enumerate(first) if i >= 2 and t not in first[:i])
+    if how == "eos":
+        stopped = generate(model, prompts, SamplingParams(max_new_tokens=8), eos=stop)
+    else:
+        stopped = generate(model, prompts, SamplingParams(max_new_tokens=8, stop_on_newline_id=stop), eos=999)
+    n_stopped = 0
+    for gf, gs in zip(free, stopped, strict=True):
+        for f, s in zip(gf, gs, strict=True):
+            if stop in f.response_ids:
+                cut = f.response_ids.index(stop) + 1  # the stop token is kept in the response
+                assert s.response_ids == f.response_ids[:cut] and s.finish_reason == "stop"
+                n_stopped += 1
+            else:
+                assert s.response_ids == f.response_ids and s.finish_reason == "length"
+            torch.testing.assert_close(
+                torch.tensor(s.logprobs), torch.tensor(f.logprobs[: len(s.logprobs)]), atol=1e-5, rtol=0
+            )
+    assert n_stopped >= 1 and stopped[0][0].response_ids == first[: first.index(stop) + 1]
+
+
+# ------------------------------------------------------------------------------------------------ input checks
+
+
+def test_input_validation(model, prompts):
+    params = SamplingParams(max_new_tokens=2)
+    assert generate_groups(model, [], G, params, [], EOS, PAD) == []
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        generate(model, [prompts[0], []], params)
+    with pytest.raises(ValueError, match="seeds must be 2 lists of 4 seeds"):
+        generate(model, prompts[:2], params, seeds=[[1, 2, 3, 4], [1, 2, 3]])

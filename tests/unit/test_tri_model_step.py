@@ -1,0 +1,122 @@
+"""The tri-model micro-step (DESIGN.md): per micro-batch one policy forward (with grad), one reference forward only
+when a KL term is used, and no forward at all for the old policy (on-policy: old = current detached, ratio 1).
+Also the shared-prompt fallback counter: a micro-batch where sharing saves nothing trains unshared and is counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import objectives
+from models.tiny import build_tiny_model
+from models.trainer import LossSettings, PolicyTrainer, RolloutGroup
+
+torch.set_num_threads(1)
+
+VOCAB = 40
+PAD = 0
+TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+def _groups(n_groups: int, G: int, prompt_len: int, seed: int = 0) -> list[RolloutGroup]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_groups):
+        prompt = torch.randint(4, VOCAB, (prompt_len,), generator=gen).tolist()
+        lens = torch.randint(1, 6, (G,), generator=gen).tolist()
+        responses = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in lens]
+        rewards = torch.rand(G, generator=gen).tolist()  # distinct: non-zero GRPO advantages when G > 1
+        out.append(RolloutGroup(prompt, responses, rewards, [[-1.0] * n for n in lens], [[0] * n for n in lens]))
+    return out
+
+
+class ForwardLog:
+    """Records every top-level forward of a model: (grad enabled, 4-D mask, rows)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.calls: list[tuple[bool, bool, int]] = []
+        model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, output):
+        self.calls.append((torch.is_grad_enabled(), kwargs["attention_mask"].dim() == 4, kwargs["input_ids"].shape[0]))
+
+
+@pytest.fixture
+def models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    return build_tiny_model(VOCAB, seed=0, **TINY), build_tiny_model(VOCAB, seed=1, **TINY)
+
+
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_one_policy_and_one_reference_forward_per_micro_step(models, monkeypatch, shared_prompt):
+    policy, ref = models
+    policy_log, ref_log = ForwardLog(policy), ForwardLog(ref)
+    ratios = []
+
+    def spy(*args, **kwargs):  # the trainer's PPO loss, with its ratio figures kept
+        loss, metrics = real_policy_loss(*args, **kwargs)
+        ratios.append((metrics["ratio/min"], metrics["ratio/max"], metrics["clip/fraction"]))
+        return loss, metrics
+
+    real_policy_loss = objectives.policy_loss
+    monkeypatch.setattr(objectives, "policy_loss", spy)
+    # clip range 0: any ratio other than exactly 1 would count as clipped
+    loss = LossSettings(kl_coef=0.05, clip_low=0.0, clip_high=0.0)
+    trainer = PolicyTrainer(policy, ref, lr=1e-2, loss=loss, pad_token_id=PAD, shared_prompt=shared_prompt)
+    before = [p.detach().clone() for p in policy.parameters()]
+    batches = [_groups(2, 4, 12, seed=1), _groups(1, 3, 20, seed=2), _groups(3, 4, 10, seed=3)]
+    for i, mb in enumerate(batches, start=1):
+        trainer.micro_step(mb)
+        assert len(policy_log.calls) == i, "the policy ran more than one forward in a micro-step (old policy pass?)"
+        assert len(ref_log.calls) == i
+    assert all(grad for grad, _, _ in policy_log.calls)  # the policy forward carries grad
+    assert not any(grad for grad, _, _ in ref_log.calls)  # the reference never does
+    # policy and reference see the same packed micro-batch (same layout, same rows)
+    assert [c[1:] for c in policy_log.calls] == [c[1:] for c in ref_log.calls]
+    assert all(is4d == shared_prompt for _, is4d, _ in policy_log.calls)
+
+    figures = trainer.optimizer_step()
+    assert ratios == [(1.0, 1.0, 0.0)] * 3  # old = current detached: the ratio is exactly 1 on every token
+    assert figures["clip/fraction"] == 0.0
+    assert figures["kl/mean"] > 0.0  # the reference differs from the policy: the KL term is really there
+    assert all(not torch.equal(b, p) for b, p in zip(before, policy.parameters(), strict=True)), (
+        "a parameter did not change"
+    )
+
+
+def test_no_reference_forward_without_kl(models):
+    policy, ref = models
+    policy_log, ref_log = ForwardLog(policy), ForwardLog(ref)
+    trainer = PolicyTrainer(policy, ref, lr=1e-2, loss=LossSettings(kl_coef=0.0), pad_token_id=PAD)
+    trainer.micro_step(_groups(2, 4, 12, seed=1))
+    trainer.micro_step(_groups(1, 4, 12, seed=2))
+    figures = trainer.optimizer_step()
+    assert len(policy_log.calls) == 2
+    assert ref_log.calls == []
+    assert "kl/mean" not in figures
+    assert figures["clip/fraction"] == 0.0
+
+
+def test_shared_fallback_counter(models):
+    policy, _ = models
+    log = ForwardLog(policy)
+    trainer = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD, shared_prompt=True)
+
+    trainer.micro_step(_groups(1, 1, 40, seed=1))  # G = 1: the shared row is the unshared row, nothing to save
+    assert log.calls[-1][1:] == (False, 1)  # 2-D mask, one row: the unshared layout
+    figures = trainer.optimizer_step()
+    assert figures["train/shared_fallbacks"] == 1.0 and figures["train/micro_batches"] == 1.0
+
+    trainer.micro_step(_groups(1, 8, 64, seed=2))  # G = 8, prompt 64 >> responses (<= 5): saving ~6x
+    assert log.calls[-1][1:] == (True, 1)  # 4-D mask, one row for the whole group: the shared layout
+    trainer.micro_step(_groups(2, 8, 48, seed=3))  # two such groups: one row each
+    assert log.calls[-1][1:] == (True, 2)
+    figures = trainer.optimizer_step()
+    assert figures["train/shared_fallbacks"] == 0.0 and figures["train/micro_batches"] == 2.0
+
+    # with sharing switched off nothing is a fallback
+    off = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD, shared_prompt=False)
+    off.micro_step(_groups(1, 1, 40, seed=1))
+    off.micro_step(_groups(1, 8, 64, seed=2))
+    assert log.calls[-1][1:] == (False, 8)
+    assert off.optimizer_step()["train/shared_fallbacks"] == 0.0
