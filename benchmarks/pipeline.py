@@ -75,6 +75,12 @@ def main() -> None:
              targets={"periodic_over_sync<=0.7": per["iteration_s"] / sync["iteration_s"] <= 0.7,
                       "periodic_over_bound<=1.15": per["iteration_s"] / bound <= 1.15,
                       "overhead_fraction<=0.05": per["overhead_fraction"] <= 0.05})
+        # the demo's train step with and without shared-prompt packing (periodic, demo resources)
+        for shared in (False, True):
+            h = run(tmp, f"bench-shared-{shared}", {"train.shared_prompt": shared}, total)
+            emit(benchmark="pipeline", **summarise("periodic", h, args.warmup, shared_prompt=shared,
+                                                   train_tokens_per_s=statistics.median(
+                                                       x["perf/train_tokens_per_s"] for x in h[args.warmup:])))
         # 1 vs 2 rollout workers at the same total rollout thread count (sync mode isolates generation)
         for workers in (1, 2):
             h = run(tmp, f"bench-w{workers}", {"pipeline.mode": "sync", "resources.rollout_workers": workers,

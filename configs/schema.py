@@ -113,6 +113,8 @@ class PipelineSection(_Section):
     mode: Literal["sync", "periodic", "async"] = Field("periodic", description="sync | periodic | async (DESIGN.md).")
     shard_groups: int = Field(4, ge=1, description="Groups per published shard (and per generation batch).")
     max_staleness: int = Field(0, ge=0, description="async: max versions a trained token may lag the trainer.")
+    catalog: bool = Field(True, description="Index every trained sample and shard in the run's LanceDB catalog.")
+    catalog_compact_every: int = Field(10, ge=0, description="Compact the catalog every N versions (0: never).")
 
 
 class ResourcesSection(_Section):

@@ -80,24 +80,25 @@ class _Progress:
         self.progress.stop()
 
 
-def cmd_train(args) -> int:
-    from rich.console import Console
-
+def _run_flow(console, config_path: str, overrides: list[str], resume: bool) -> int:
     from configs.schema import ConfigError, load_config
 
-    console = Console(stderr=True)
     try:
-        load_config(args.config, args.override)  # fail fast, before Prefect or any work starts
+        load_config(config_path, overrides)  # fail fast, before Prefect or any work starts
     except ConfigError as e:
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
     import flows.train as train_mod
+    from tasks.session import RunExistsError
 
     progress = _Progress(console)
     train_mod.progress_hook = progress
     t0 = time.perf_counter()
     try:
-        summary = train_mod.train_flow(config_path=args.config, overrides=args.override)
+        summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
+    except (RunExistsError, FileNotFoundError) as e:
+        console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        return 2
     finally:
         progress.stop()
     console.print(
@@ -109,6 +110,134 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from rich.console import Console
+
+    return _run_flow(Console(stderr=True, soft_wrap=True), args.config, args.override, resume=False)
+
+
+def cmd_resume(args) -> int:
+    """Continue a failed or killed run from its frozen config and promoted checkpoint."""
+    import tempfile
+
+    from rich.console import Console
+
+    from storage.lake import Lake, validate_run_id
+
+    console = Console(stderr=True, soft_wrap=True)
+    try:
+        lake = Lake(args.lake)
+        path = f"{lake.run_dir(validate_run_id(args.run_id))}/config.json"
+        with lake.fs.open(path, "rb") as f:
+            frozen = f.read()
+    except (ValueError, FileNotFoundError) as e:
+        console.print(f"[red]error:[/red] cannot resume {args.run_id!r} from lake {args.lake}: {e}", highlight=False)
+        return 2
+    with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
+        f.write(frozen)  # JSON is YAML: the frozen config loads through the same validation
+    try:
+        return _run_flow(console, f.name, [f"lake.uri={args.lake}"], resume=True)
+    finally:
+        os.unlink(f.name)
+
+
+def cmd_replay(args) -> int:
+    """Retrain from stored shards only and print, per version, the max abs parameter difference."""
+    from flows.replay import replay_flow
+
+    rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
+    for r in rows:
+        print(f"v{r['version']:>6}  max_abs_diff {r['max_abs_diff']:.3e}")
+    worst = max((r["max_abs_diff"] for r in rows), default=0.0)
+    print(f"replayed {len(rows)} versions of {args.run_id}; worst max_abs_diff {worst:.3e}")
+    return 0
+
+
+def cmd_audit(args) -> int:
+    """Query a run's rollout catalog: by version, with a SQL filter, as a table, JSON or CSV."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage import catalog
+    from storage.lake import Lake
+
+    lake = Lake(args.lake)
+    uri = catalog.catalog_uri(lake, args.run_id)
+    if uri is None:
+        print(f"error: lake {args.lake} has no catalog (LanceDB needs a local or object-store lake)", file=sys.stderr)
+        return 2
+    where = [f"({args.where})"] if args.where else []
+    if args.version is not None:
+        where.append(f"policy_version = {int(args.version)}")
+    columns = ["sample_id", "policy_version", "iteration", "prompt_id", "sample_index", "reward", "advantage",
+               "finish_reason", "response_text", "worker"]
+    try:
+        rows = catalog.query(uri, catalog.ROLLOUTS, " AND ".join(where) or None, args.limit, columns).to_pylist()
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bad --where expression: LanceDB's parser says what is wrong
+        print(f"error: query failed for --where {args.where!r}: {e}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps(rows, indent=1, default=str))
+    elif args.format == "csv":
+        import csv
+
+        w = csv.DictWriter(sys.stdout, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+    else:
+        table = Table(title=f"{args.run_id}: {len(rows)} samples")
+        for c in columns:
+            table.add_column(c)
+        for r in rows:
+            table.add_row(*(f"{v:.3f}" if isinstance(v, float) else repr(v) if c == "response_text" else str(v)
+                            for c, v in r.items()))
+        Console().print(table)
+    return 0
+
+
+def cmd_runs(args) -> int:
+    """Runs in a lake with their state and last promoted version."""
+    from storage import checkpoints, ledger
+    from storage.lake import Lake
+
+    lake = Lake(args.lake)
+    root = f"{lake.root}/runs"
+    if not lake.fs.exists(root):
+        print(f"no runs in {args.lake}")
+        return 0
+    for path in sorted(lake.fs.ls(root, detail=False)):
+        run_id = path.rstrip("/").rsplit("/", 1)[-1]
+        records = ledger.read_all(lake, run_id)
+        done = lake.fs.exists(f"{path}/summary.json")
+        last = records[-1]["state"] if records else "created"
+        state = "finished" if done else ("failed" if last == "failed" else f"stopped ({last})")
+        print(f"{run_id:40s} {state:24s} version {checkpoints.promoted_version(lake, run_id)}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Write one version of a run as a standalone Hugging Face directory."""
+    from storage import checkpoints
+    from storage.lake import Lake, validate_run_id
+
+    lake = Lake(args.lake)
+    try:
+        version = args.version if args.version is not None else checkpoints.promoted_version(lake, args.run_id)
+        if version is None:
+            raise FileNotFoundError(f"run {validate_run_id(args.run_id)} has no promoted version in {args.lake}")
+        out = checkpoints.export_hf(lake, lake.checkpoint_dir(args.run_id, version), args.out)
+    except (FileNotFoundError, FileExistsError, ValueError, checkpoints.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.run_id} v{version} to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockstep", description="On-policy periodic-asynchronous RL for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +246,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. -o trainer.lr=1e-5 (repeatable)")
     p.set_defaults(func=cmd_train)
+    r = sub.add_parser("resume", help="continue a failed or killed run where it stopped")
+    r.add_argument("run_id")
+    r.add_argument("--lake", default="./lake", help="lake URL holding the run (default ./lake)")
+    r.set_defaults(func=cmd_resume)
+    p = sub.add_parser("replay", help="retrain a run from its stored rollouts and compare every version")
+    p.add_argument("run_id")
+    p.add_argument("--lake", default="./lake")
+    p.add_argument("--to", default=None, metavar="NEW_RUN_ID", help="write the replayed checkpoints as a new run")
+    p.set_defaults(func=cmd_replay)
+    p = sub.add_parser("audit", help="query the rollouts of a run (LanceDB catalog)")
+    p.add_argument("run_id")
+    p.add_argument("--lake", default="./lake")
+    p.add_argument("--version", type=int, default=None, help="only samples generated by this policy version")
+    p.add_argument("--where", default=None, help="SQL filter, e.g. \"reward < 0.5 AND finish_reason = 'length'\"")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--format", choices=["table", "json", "csv"], default="table")
+    p.set_defaults(func=cmd_audit)
+    p = sub.add_parser("export", help="write a version of a run as a Hugging Face directory")
+    p.add_argument("run_id")
+    p.add_argument("--version", type=int, default=None, help="default: the promoted version")
+    p.add_argument("--out", required=True, help="a new local directory")
+    p.add_argument("--lake", default="./lake")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("runs", help="list the runs of a lake with their state and last version")
+    p.add_argument("--lake", default="./lake")
+    p.set_defaults(func=cmd_runs)
     return parser
 
 

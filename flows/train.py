@@ -17,8 +17,17 @@ from collections.abc import Callable
 from prefect import flow
 
 from configs.schema import Config, load_config
+from storage import ledger
 from storage.lake import atomic_write_bytes
-from tasks.iteration import evaluate_task, log_task, plan_task, promote_task, rollout_task, train_task
+from tasks.iteration import (
+    catalog_task,
+    evaluate_task,
+    log_task,
+    plan_task,
+    promote_task,
+    rollout_task,
+    train_task,
+)
 from tasks.session import SESSIONS, RunSession, open_session
 
 
@@ -91,26 +100,46 @@ def _iteration(s: RunSession, k: int) -> dict:
 
 
 @flow(name="lockstep-train", log_prints=False)
-def train_flow(config_path: str | None = None, overrides: list[str] | None = None) -> dict:
-    """Run a lockstep experiment from a YAML config (+ `key=value` overrides); returns the run's summary."""
+def train_flow(config_path: str | None = None, overrides: list[str] | None = None, resume: bool = False) -> dict:
+    """Run a lockstep experiment from a YAML config (+ `key=value` overrides); returns the run's summary.
+
+    With `resume`, continue an existing run from its promoted checkpoint: complete shards of the interrupted
+    iteration are reused, only the missing groups are generated.
+    """
     cfg: Config = load_config(config_path, overrides or [])
     t_start = time.perf_counter()
     progress_hook({"event": "setup", "run_id": cfg.run.run_id})
     s = open_session(cfg, on_progress=lambda step, loss: progress_hook({"event": "bootstrap", "step": step,
                                                                           "steps": cfg.bootstrap.steps,
-                                                                          "loss": loss}))
+                                                                          "loss": loss}), resume=resume)
     status = "FAILED"
     try:
         start_iteration = s.version  # iteration k produces version k+1
+        _settle_ledger(s)
         acc0 = evaluate_task(s.run_id)
         s.tracker.log_metrics({"eval/accuracy": acc0}, step=start_iteration)
         progress_hook({"event": "start", "run_id": s.run_id, "iterations": cfg.run.iterations,
                        "start": start_iteration, "accuracy": acc0})
         history = []
+        indexing = None  # the catalog write of the previous iteration runs beside this one
+        if cfg.pipeline.catalog:  # a crash may have cut a catalog write short: index those iterations again
+            for rec in ledger.read_all(s.lake, s.run_id):
+                if rec["state"] == "promoted" and not rec.get("cataloged"):
+                    catalog_task(s.run_id, rec["iteration"], rec["promoted_version"])
         for k in range(start_iteration, cfg.run.iterations):
-            fig = _iteration(s, k)
+            try:
+                fig = _iteration(s, k)
+            except Exception as e:  # the previous promoted checkpoint stays; resume restarts this iteration
+                _fail_iteration(s, k, e)
+                raise
             history.append(fig)
             progress_hook({"event": "iteration", "iteration": k, **fig})
+            if cfg.pipeline.catalog:
+                if indexing is not None:
+                    indexing.result()
+                indexing = catalog_task.submit(s.run_id, k, s.version)
+        if indexing is not None:
+            indexing.result()
         acc_final = evaluate_task(s.run_id)
         s.tracker.log_metrics({"eval/accuracy": acc_final}, step=cfg.run.iterations)
         wall = time.perf_counter() - t_start
@@ -139,6 +168,20 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         s.tracker.finish(status)
         s.close()
         SESSIONS.pop(s.run_id, None)
+
+
+def _fail_iteration(s: RunSession, k: int, error: BaseException) -> None:
+    rec = ledger.read_record(s.lake, s.run_id, k)
+    if rec is not None and rec["state"] not in ("promoted", "failed"):
+        ledger.write_record(s.lake, s.run_id, k, "failed", reason=f"{type(error).__name__}: {error}"[:2000])
+
+
+def _settle_ledger(s: RunSession) -> None:
+    """A crash between writing PROMOTED and the ledger's last update leaves the iteration `trained`: finish it."""
+    if s.version > 0:
+        rec = ledger.read_record(s.lake, s.run_id, s.version - 1)
+        if rec is not None and rec["state"] == "trained":
+            ledger.write_record(s.lake, s.run_id, s.version - 1, "promoted", promoted_version=s.version)
 
 
 def _log_artifacts(s: RunSession, history: list[dict], acc0: float, acc_final: float) -> None:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from storage import faults
 from storage.lake import Lake, atomic_write_json, read_json
 
 WEIGHTS = "model.safetensors"
@@ -50,6 +51,29 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torc
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
+def _write_model_dir(local: str, model, tokenizer, optimizer, extra_state: dict | None) -> None:
+    """Weights, tokenizer, trainer state and a MANIFEST of sha256 digests into the local folder `local`."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(local, safe_serialization=True)
+    tokenizer.save_pretrained(local)
+    state_dir = Path(local, "trainer_state")
+    state_dir.mkdir(exist_ok=True)
+    if optimizer is not None:
+        tensors, meta = _optimizer_tensors(optimizer)
+        Path(state_dir, "optimizer.safetensors").write_bytes(st_save(tensors))
+        Path(state_dir, "optimizer.json").write_text(json.dumps(meta))
+    Path(state_dir, "rng.safetensors").write_bytes(st_save({"torch": torch.get_rng_state()}))
+    Path(state_dir, "state.json").write_text(json.dumps(extra_state or {}))
+    manifest = {
+        str(p.relative_to(local)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(local).rglob("*"))
+        if p.is_file()
+    }
+    Path(local, "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
 def save_model_dir(
     lake: Lake,
     final: str,
@@ -65,33 +89,24 @@ def save_model_dir(
     temporary folder, never a half-written directory under its final name.
     """
     fs = lake.fs
-    with tempfile.TemporaryDirectory(prefix="lockstep-ckpt-") as local:
-        model.save_pretrained(local, safe_serialization=True)
-        tokenizer.save_pretrained(local)
-        state_dir = Path(local, "trainer_state")
-        state_dir.mkdir()
-        if optimizer is not None:
-            tensors, meta = _optimizer_tensors(optimizer)
-            Path(state_dir, "optimizer.safetensors").write_bytes(st_save(tensors))
-            Path(state_dir, "optimizer.json").write_text(json.dumps(meta))
-        Path(state_dir, "rng.safetensors").write_bytes(st_save({"torch": torch.get_rng_state()}))
-        Path(state_dir, "state.json").write_text(json.dumps(extra_state or {}))
-        manifest = {
-            str(p.relative_to(local)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(local).rglob("*"))
-            if p.is_file()
-        }
-        Path(local, "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        if fs.exists(final):  # an earlier attempt finished the move but was not promoted: replace it
-            fs.rm(final, recursive=True)
-        if lake.is_local:
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
-            shutil.copytree(local, tmp)
+    if lake.is_local:  # build the folder in the lake's own _tmp/ (same filesystem), then one rename
+        os.makedirs(tmp, exist_ok=True)
+        try:
+            _write_model_dir(tmp, model, tokenizer, optimizer, extra_state)
+            faults.point("mid-checkpoint")
+            if fs.exists(final):  # an earlier attempt finished the move but was not promoted: replace it
+                shutil.rmtree(final)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(tmp, final)
-        else:
-            fs.put(local, tmp, recursive=True)
-            fs.mv(tmp, final, recursive=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+    with tempfile.TemporaryDirectory(prefix="lockstep-ckpt-") as local:
+        _write_model_dir(local, model, tokenizer, optimizer, extra_state)
+        if fs.exists(final):
+            fs.rm(final, recursive=True)
+        fs.put(local, tmp, recursive=True)
+        fs.mv(tmp, final, recursive=True)
     return final
 
 
@@ -179,3 +194,20 @@ def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
     if not os.path.exists(os.path.join(dest, "MANIFEST.json")):
         lake.fs.get(path, dest, recursive=True)
     return dest
+
+
+def export_hf(lake: Lake, path: str, out_dir: str) -> str:
+    """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) to a local directory, without the
+    trainer state; every file is checked against the manifest on the way."""
+    verify_checkpoint(lake, path)
+    manifest = read_json(lake, f"{path}/MANIFEST.json")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"export target {out_dir} exists and is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for rel in manifest:
+        if rel.startswith("trainer_state/"):
+            continue
+        with lake.fs.open(f"{path}/{rel}", "rb") as f:
+            (out / rel).write_bytes(f.read())
+    return str(out)

@@ -15,6 +15,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from storage import faults
+
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -79,6 +81,7 @@ def atomic_write_bytes(lake: Lake, run_id: str, path: str, data: bytes) -> None:
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(tmp, "wb") as f:
         f.write(data)
+    faults.point("shard-write" if path.endswith(".arrow") else "file-write")
     fs.mv(tmp, path)
 
 

@@ -13,7 +13,7 @@ from storage.lake import Lake, atomic_write_json, read_json
 State = Literal["planned", "rolling_out", "trained", "promoted", "failed"]
 _NEXT: dict[str, set[str]] = {
     "planned": {"rolling_out", "failed"},
-    "rolling_out": {"trained", "failed", "rolling_out"},
+    "rolling_out": {"trained", "failed"},
     "trained": {"promoted", "failed"},
     "promoted": set(),
     "failed": {"planned", "rolling_out"},  # a resume restarts a failed iteration
@@ -25,11 +25,22 @@ def write_record(lake: Lake, run_id: str, iteration: int, state: State, **fields
     path = lake.ledger_file(run_id, iteration)
     record = read_json(lake, path) if lake.fs.exists(path) else {"iteration": iteration, "history": []}
     prev = record.get("state")
+    if prev is None and state != "planned":
+        raise ValueError(f"ledger of run {run_id} iteration {iteration}: a new record starts 'planned', not {state!r}")
     if prev is not None and state not in _NEXT[prev]:
         raise ValueError(f"ledger of run {run_id} iteration {iteration}: illegal transition {prev} -> {state}")
     record.update(fields)
     record["state"] = state
     record["history"].append({"state": state, "at": time.time()})
+    atomic_write_json(lake, run_id, path, record)
+    return record
+
+
+def annotate(lake: Lake, run_id: str, iteration: int, **fields) -> dict:
+    """Add fields to an existing record without changing its state (e.g. `cataloged` after the catalog write)."""
+    path = lake.ledger_file(run_id, iteration)
+    record = read_json(lake, path)
+    record.update(fields)
     atomic_write_json(lake, run_id, path, record)
     return record
 

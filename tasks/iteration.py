@@ -14,8 +14,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from models.trainer import RolloutGroup
-from storage import checkpoints, ledger
-from storage.shards import read_shard, table_to_records
+from storage import checkpoints, faults, ledger
+from storage.shards import ShardError, read_shard, table_to_records
 from tasks.session import SESSIONS, evaluate, iteration_prompt_ids
 from tasks.workers import Chunk, WorkerError
 
@@ -30,13 +30,43 @@ def plan_task(run_id: str, iteration: int) -> dict:
     prompt_ids = iteration_prompt_ids(s.cfg, len(s.train_prompts), iteration)
     k = s.cfg.pipeline.shard_groups
     chunks = [Chunk(iteration, s.version, i // k, tuple(prompt_ids[i : i + k])) for i in range(0, len(prompt_ids), k)]
+    previous = ledger.read_record(s.lake, run_id, iteration)
+    reused: list[int] = []
+    quarantined: list[str] = []
+    if previous is not None:  # a resumed iteration: keep every complete, valid shard of its own version
+        if previous["state"] != "failed":
+            ledger.write_record(s.lake, run_id, iteration, "failed", reason="interrupted before promotion; resumed")
+        reused, quarantined = _valid_chunks(s, run_id, iteration)
+        chunks = [c for c in chunks if c.index not in reused]
     ledger.write_record(s.lake, run_id, iteration, "planned", policy_version=s.version, prompt_ids=prompt_ids,
-                        chunks=len(chunks), group_size=s.cfg.rollout.group_size)
+                        chunks=len(chunks) + len(reused), reused_chunks=reused, quarantined=quarantined,
+                        group_size=s.cfg.rollout.group_size)
     s.pool.enqueue(chunks)
     ledger.write_record(s.lake, run_id, iteration, "rolling_out")
+    faults.point("after-plan")
     body = time.perf_counter() - t0
     s.storage_s += body
     return {"groups": len(prompt_ids), "chunks": len(chunks), "version": s.version, "body_s": body}
+
+
+def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]:
+    """Chunk indices whose shard exists and passes its checksum; damaged shards are moved to quarantine/."""
+    prefix = s.lake.iteration_rollouts(run_id, s.version, iteration)
+    fs = s.lake.fs
+    fs.invalidate_cache(prefix)
+    if not fs.exists(prefix):
+        return [], []
+    valid, quarantined = [], []
+    for path in sorted(p for p in fs.ls(prefix, detail=False) if p.endswith(".arrow")):
+        try:
+            read_shard(s.lake, path)
+            valid.append(int(path.rsplit("-", 1)[-1].split(".")[0]))
+        except ShardError:
+            dest = f"{s.lake.run_dir(run_id)}/quarantine/iter-{iteration:06d}/{path.rsplit('/', 1)[-1]}"
+            fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+            fs.mv(path, dest)
+            quarantined.append(dest)
+    return valid, quarantined
 
 
 @task(name="rollout", cache_policy=NO_CACHE)
@@ -46,7 +76,8 @@ def rollout_task(run_id: str, iteration: int, worker: int) -> dict:
     return s.pool.run(worker, s.version, s.lake.checkpoint_dir(run_id, s.version))
 
 
-def _groups_of(table) -> list[RolloutGroup]:
+def _groups_of(table, group_size: int | None = None) -> list[RolloutGroup]:
+    """The shard's rows as whole groups, in row order; a shard holding part of a group is refused."""
     groups: dict[str, RolloutGroup] = {}
     for r in table_to_records(table):
         g = groups.get(r.group_id)
@@ -56,6 +87,10 @@ def _groups_of(table) -> list[RolloutGroup]:
         g.rewards.append(r.reward)
         g.behavior_logprobs.append(r.behavior_logprobs)
         g.token_versions.append(r.token_versions)
+    if group_size is not None:
+        partial = {gid: len(g.responses) for gid, g in groups.items() if len(g.responses) != group_size}
+        if partial:
+            raise ShardError(f"shard holds partial groups (group id: samples, expected {group_size}): {partial}")
     return list(groups.values())
 
 
@@ -111,7 +146,7 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             t1 = time.perf_counter()
             table = read_shard(s.lake, path)
             checksum = table.schema.metadata[b"lockstep.sha256"].decode()
-            groups = _groups_of(table)
+            groups = _groups_of(table, s.cfg.rollout.group_size)
             t2 = time.perf_counter()
             storage += t2 - t1
             for g in groups:
@@ -119,6 +154,7 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
                 staleness.extend(s.version - v for tv in g.token_versions for v in tv)
             for mb in _micro_batches(groups, s.cfg.train.micro_batch_tokens, s.cfg.train.shared_prompt):
                 s.trainer.micro_step(mb)
+                faults.point("mid-train")
             busy += time.perf_counter() - t2
             groups_done += len(groups)
             shards.append({"path": path, "checksum": checksum, "groups": len(groups)})
@@ -153,12 +189,50 @@ def promote_task(run_id: str, iteration: int) -> dict:
     new_version = s.version + 1
     checkpoints.save_checkpoint(s.lake, run_id, new_version, s.trainer.model, s.tokenizer, s.trainer.optimizer,
                                 {"iteration": iteration})
+    faults.point("before-promote")
     checkpoints.promote(s.lake, run_id, new_version)
+    faults.point("after-promote")
     s.version = new_version
     ledger.write_record(s.lake, run_id, iteration, "promoted", promoted_version=new_version)
     body = time.perf_counter() - t0
     s.storage_s += body
     return {"version": new_version, "body_s": body}
+
+
+@task(name="catalog", cache_policy=NO_CACHE)
+def catalog_task(run_id: str, iteration: int, version: int) -> int:
+    """Index the iteration's trained samples (with their advantages) and shards in the LanceDB catalog."""
+    import pyarrow as pa
+
+    from models.objectives import compute_advantages
+    from storage import catalog
+
+    s = SESSIONS[run_id]
+    uri = catalog.catalog_uri(s.lake, run_id)
+    if uri is None:
+        return 0
+    rec = ledger.read_record(s.lake, run_id, iteration)
+    tables, shard_rows = [], []
+    for sh in rec["shards"]:
+        t = read_shard(s.lake, sh["path"], sh["checksum"])
+        adv = torch.zeros(t.num_rows)
+        gid = t.column("group_id").to_pylist()
+        reward = torch.tensor(t.column("reward").to_pylist(), dtype=torch.float32)
+        for g in dict.fromkeys(gid):  # the trainer's per-group advantages, recomputed by the same function
+            idx = torch.tensor([i for i, x in enumerate(gid) if x == g])
+            a, _ = compute_advantages(reward[idx].unsqueeze(0), kind=s.cfg.algorithm.advantage)
+            adv[idx] = a.squeeze(0)
+        ids = [f"{run_id}/{it}/{g}/{j}" for it, g, j in zip(t.column("iteration").to_pylist(), gid,
+                                                            t.column("sample_index").to_pylist())]
+        t = t.replace_schema_metadata(None)
+        t = t.append_column("sample_id", pa.array(ids)).append_column("advantage", pa.array(adv.tolist()))
+        tables.append(t.append_column("shard", pa.array([sh["path"]] * t.num_rows)))
+        shard_rows.append({"path": sh["path"], "checksum": sh["checksum"], "groups": sh["groups"],
+                           "rows": t.num_rows, "iteration": iteration, "policy_version": version - 1})
+    catalog.write_iteration(uri, pa.concat_tables(tables), pa.Table.from_pylist(shard_rows), version,
+                            compact_every=s.cfg.pipeline.catalog_compact_every)
+    ledger.annotate(s.lake, run_id, iteration, cataloged=True)
+    return sum(t.num_rows for t in tables)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -155,8 +156,24 @@ def evaluate(session: RunSession) -> float:
                     session.cfg.eval.max_new_tokens)
 
 
-def open_session(cfg: Config, on_progress=None) -> RunSession:
-    """Create (or reopen) the run: frozen config, v0, trainer, rollout workers, MLflow run."""
+class RunExistsError(RuntimeError):
+    pass
+
+
+def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> PolicyTrainer:
+    """The trainer of a config: the loss settings unpacked into plain arguments (models/ never sees a Config)."""
+    ref_model = copy.deepcopy(model).requires_grad_(False).to(device) if cfg.algorithm.kl_coef > 0 else None
+    a = cfg.algorithm
+    loss = LossSettings(advantage=a.advantage, loss_agg=a.loss_agg, clip_low=a.clip_low, clip_high=a.clip_high,
+                        dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl_kind,
+                        temperature=cfg.rollout.temperature, norm_len=cfg.rollout.max_new_tokens)
+    return PolicyTrainer(model.to(device), ref_model, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
+                         betas=(cfg.trainer.beta1, cfg.trainer.beta2), grad_clip=cfg.trainer.grad_clip, loss=loss,
+                         pad_token_id=tokenizer.pad_token_id, shared_prompt=cfg.train.shared_prompt)
+
+
+def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSession:
+    """Create the run (or reopen it with `resume`): frozen config, v0, trainer, rollout workers, MLflow run."""
     run_id = validate_run_id(default_run_id(cfg))
     cfg = cfg.model_copy(deep=True)
     cfg.run.run_id = run_id
@@ -164,22 +181,26 @@ def open_session(cfg: Config, on_progress=None) -> RunSession:
     torch.set_num_threads(cfg.resources.train_threads)
     device = resolve_device(cfg.trainer.device)
     config_path = f"{lake.run_dir(run_id)}/config.json"
-    if not lake.fs.exists(config_path):
+    if lake.fs.exists(config_path):
+        if not resume:
+            raise RunExistsError(f"run {run_id} already exists in {cfg.lake.uri}: continue it with "
+                                 f"`lockstep resume {run_id} --lake {cfg.lake.uri}` or choose another run.run_id")
+        tmp_dir = f"{lake.run_dir(run_id)}/_tmp"
+        if lake.fs.exists(tmp_dir):  # leftovers of writes cut short by the crash; never read by anyone
+            lake.fs.rm(tmp_dir, recursive=True)
+    elif resume:
+        raise FileNotFoundError(f"no run {run_id} in {cfg.lake.uri} to resume ({config_path} is missing)")
+    else:
         atomic_write_bytes(lake, run_id, config_path, resolved_json(cfg).encode())
 
+    torch.set_num_threads(os.cpu_count() or 1)  # no rollout worker runs yet: the bootstrap may use every core
     v0_dir, cached = bootstrap_v0(cfg, lake, on_progress)
+    torch.set_num_threads(cfg.resources.train_threads)
     local_v0 = checkpoints.local_copy(lake, v0_dir, tempfile.gettempdir())
     model, tokenizer = load_hf(local_v0)
     torch.manual_seed(cfg.run.seed)
     version = checkpoints.promoted_version(lake, run_id)
-    ref_model = copy.deepcopy(model).requires_grad_(False).to(device) if cfg.algorithm.kl_coef > 0 else None
-    a = cfg.algorithm
-    loss = LossSettings(advantage=a.advantage, loss_agg=a.loss_agg, clip_low=a.clip_low, clip_high=a.clip_high,
-                        dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl_kind,
-                        temperature=cfg.rollout.temperature, norm_len=cfg.rollout.max_new_tokens)
-    trainer = PolicyTrainer(model.to(device), ref_model, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
-                            betas=(cfg.trainer.beta1, cfg.trainer.beta2), grad_clip=cfg.trainer.grad_clip, loss=loss,
-                            pad_token_id=tokenizer.pad_token_id, shared_prompt=cfg.train.shared_prompt)
+    trainer = build_trainer(cfg, model, tokenizer, device)
     if version is None:
         path = checkpoints.save_checkpoint(lake, run_id, 0, trainer.model, tokenizer, trainer.optimizer,
                                            {"bootstrap_cached": cached})

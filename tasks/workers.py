@@ -46,7 +46,18 @@ class Chunk:
     prompt_ids: tuple[int, ...]  # the plan's prompt ids; group ids are f"{iteration}-{prompt_id}"
 
 
-def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results) -> None:  # runs in the child
+def _get(q, parent: int):
+    """Block on a queue, but end the worker if its parent (the flow's process) has died: a SIGKILLed parent
+    cannot stop its children, and an orphaned worker must not linger."""
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                os._exit(0)
+
+
+def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, parent: int) -> None:  # in the child
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
@@ -71,7 +82,7 @@ def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results) -> N
         results.put(("error", traceback.format_exc()))
         return
     while True:
-        cmd = commands.get()
+        cmd = _get(commands, parent)
         if cmd[0] == "exit":
             return
         _, version, ckpt_path = cmd
@@ -84,7 +95,7 @@ def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results) -> N
             busy = storage_s = 0.0
             shards = []
             while True:
-                chunk = work.get()
+                chunk = _get(work, parent)
                 if chunk == _STOP:
                     break
                 if chunk.version != loaded_version:
@@ -139,7 +150,7 @@ class WorkerPool:
         self.commands = [ctx.Queue() for _ in range(n_workers)]
         self.results = [ctx.Queue() for _ in range(n_workers)]
         self.procs = [
-            ctx.Process(target=_worker_main, args=(w, spec, self.commands[w], self.work, self.results[w]),
+            ctx.Process(target=_worker_main, args=(w, spec, self.commands[w], self.work, self.results[w], os.getpid()),
                         name=f"lockstep-rollout-{w}", daemon=True)
             for w in range(n_workers)
         ]

@@ -30,6 +30,8 @@ TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermedi
 LOGP_ATOL = 1e-5  # max abs difference of per-token log-probs
 LOSS_RTOL = 1e-6  # relative difference of the loss
 GRAD_RTOL = 1e-4  # max abs difference of a parameter's gradient, relative to that gradient's max abs
+# Seen on these models (torch 2.13 CPU, SDPA): log-probs differ by <= 2.4e-7, gradients by <= 7e-7 relative, losses
+# by <= 1e-7 relative: summation order only. The leaky mask (negative control) moves log-probs by 2e-2..4e-2.
 
 
 def _ids(gen: torch.Generator, n: int) -> list[int]:
@@ -124,7 +126,6 @@ def test_shared_equals_unshared(model, stale, case):
     with torch.no_grad():
         ref_logp = _logprobs(model, unshared)  # (S, T)
         _assert_logprobs_close(_logprobs(model, shared), ref_logp, mask)
-
         old_logp = _logprobs(stale, unshared)  # (S, T) the same old log-probs for both layouts
     adv = torch.randn(S, generator=torch.Generator().manual_seed(7))  # (S,) mixed signs, non-trivial
     loss_s, grads_s = _loss_and_grads(model, shared, old_logp, adv)

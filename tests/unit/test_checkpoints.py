@@ -226,10 +226,10 @@ def test_resave_replaces_an_unpromoted_checkpoint(tiny_hf, lake):
 
 
 def test_ledger_legal_path(lake):
-    for state in ("planned", "rolling_out", "rolling_out", "trained", "promoted"):
+    for state in ("planned", "rolling_out", "trained", "promoted"):
         rec = ledger.write_record(lake, RUN, 0, state, note=state)
     assert rec["state"] == "promoted" and rec["note"] == "promoted"
-    assert [h["state"] for h in rec["history"]] == ["planned", "rolling_out", "rolling_out", "trained", "promoted"]
+    assert [h["state"] for h in rec["history"]] == ["planned", "rolling_out", "trained", "promoted"]
     assert ledger.read_record(lake, RUN, 0) == rec
     assert Path(lake.ledger_file(RUN, 0)).name == "iter-000000.json"
 
@@ -252,6 +252,7 @@ def test_ledger_failed_then_resumed(lake):
         (["planned"], "promoted"),
         (["planned", "rolling_out"], "promoted"),
         (["planned", "failed"], "trained"),
+        (["planned", "rolling_out"], "rolling_out"),
     ],
 )
 def test_ledger_illegal_transitions(lake, prev, bad):
@@ -260,6 +261,13 @@ def test_ledger_illegal_transitions(lake, prev, bad):
     with pytest.raises(ValueError, match=f"iteration 1: illegal transition {prev[-1]} -> {bad}"):
         ledger.write_record(lake, RUN, 1, bad)
     assert ledger.read_record(lake, RUN, 1)["state"] == prev[-1]  # the record is unchanged
+
+
+@pytest.mark.parametrize("first", ["rolling_out", "trained", "promoted", "failed"])
+def test_ledger_new_record_must_start_planned(lake, first):
+    with pytest.raises(ValueError, match="a new record starts 'planned'"):
+        ledger.write_record(lake, RUN, 5, first)
+    assert ledger.read_record(lake, RUN, 5) is None
 
 
 def test_ledger_read_all_in_order(lake):

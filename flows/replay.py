@@ -1,0 +1,64 @@
+"""`replay_flow`: retrain a run from its stored rollouts only (no generation) and compare every version.
+
+For each promoted iteration, in order, the shards the trainer consumed (as the ledger lists them, verified by
+checksum) are trained again from the run's v0 with the run's frozen config; the result is compared with the
+original checkpoint of that version. With `to_run_id`, the replayed checkpoints are written as a new run.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from configs.schema import Config
+from storage import checkpoints, ledger
+from storage.lake import Lake, atomic_write_bytes, read_json
+from storage.shards import read_shard
+from tasks.iteration import _groups_of, _micro_batches
+from tasks.session import build_trainer, resolve_device
+
+
+@task(name="replay-iteration", cache_policy=NO_CACHE)
+def _replay_iteration(trainer, cfg: Config, lake: Lake, record: dict) -> dict:
+    for sh in record["shards"]:
+        groups = _groups_of(read_shard(lake, sh["path"], sh["checksum"]))
+        for mb in _micro_batches(groups, cfg.train.micro_batch_tokens, cfg.train.shared_prompt):
+            trainer.micro_step(mb)
+    return trainer.optimizer_step()
+
+
+@flow(name="lockstep-replay")
+def replay_flow(run_id: str, lake_uri: str = "./lake", to_run_id: str | None = None) -> list[dict]:
+    """Per replayed version: {"version", "max_abs_diff"} against the original checkpoint."""
+    import torch
+
+    from models.tiny import load_hf
+
+    lake = Lake(lake_uri)
+    cfg = Config.model_validate(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
+    torch.set_num_threads(cfg.resources.train_threads)
+    v0 = lake.checkpoint_dir(run_id, 0)
+    model, tokenizer = load_hf(checkpoints.local_copy(lake, v0, "/tmp"))
+    trainer = build_trainer(cfg, model, tokenizer, resolve_device(cfg.trainer.device))
+    if to_run_id:
+        new_cfg = cfg.model_copy(deep=True)
+        new_cfg.run.run_id = to_run_id
+        atomic_write_bytes(lake, to_run_id, f"{lake.run_dir(to_run_id)}/config.json",
+                           new_cfg.model_dump_json(indent=2).encode())
+        checkpoints.save_checkpoint(lake, to_run_id, 0, trainer.model, tokenizer, trainer.optimizer)
+        checkpoints.promote(lake, to_run_id, 0)
+    out = []
+    for record in ledger.read_all(lake, run_id):
+        if record["state"] != "promoted":
+            break
+        version = record["promoted_version"]
+        _replay_iteration(trainer, cfg, lake, record)
+        original = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, version))
+        replayed = trainer.model.state_dict()
+        diff = max(float((replayed[k].detach().cpu() - v).abs().max()) for k, v in original.items())
+        out.append({"version": version, "max_abs_diff": diff})
+        if to_run_id:
+            checkpoints.save_checkpoint(lake, to_run_id, version, trainer.model, tokenizer, trainer.optimizer,
+                                        {"replayed_from": run_id})
+            checkpoints.promote(lake, to_run_id, version)
+    return out

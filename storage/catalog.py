@@ -1,0 +1,73 @@
+"""The audit catalog: LanceDB tables of every rollout sample and every shard of a run, in the lake.
+
+`rollouts` has one row per sample (the shard columns, plus `sample_id`, the trainer's `advantage` and the
+shard path); `shards` one row per shard. Both are written with `merge_insert` on stable ids, so a retried or
+resumed write never duplicates a row. After each promoted version the tables are tagged `v{version}`;
+every `compact_every` versions they are compacted. Written once per iteration, off the training hot path.
+LanceDB does not survive fork: processes that open it must be spawned.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from storage.lake import Lake
+
+ROLLOUTS = "rollouts"
+SHARDS = "shards"
+_HEAVY = ("prompt_ids", "behavior_logprobs")  # kept in the shards; the catalog keeps what audits read
+
+
+def catalog_uri(lake: Lake, run_id: str) -> str | None:
+    """Where LanceDB stores the run's catalog, or None for filesystems LanceDB cannot write (memory://)."""
+    protocol = lake.fs.protocol if isinstance(lake.fs.protocol, str) else lake.fs.protocol[0]
+    if protocol in ("file", "local"):
+        return f"{lake.run_dir(run_id)}/catalog"
+    if protocol in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
+        return lake.url(f"{lake.run_dir(run_id)}/catalog")
+    return None
+
+
+def _connect(uri: str):
+    import lancedb
+
+    return lancedb.connect(uri)
+
+
+def _upsert(db, name: str, table: pa.Table, key: str) -> None:
+    try:
+        tbl = db.open_table(name)
+    except ValueError:  # absent, or left without a first version by a crash during its creation
+        db.create_table(name, table, mode="overwrite")
+        return
+    tbl.merge_insert(key).when_matched_update_all().when_not_matched_insert_all().execute(table)
+
+
+def write_iteration(uri: str, samples: pa.Table, shards: pa.Table, version: int, compact_every: int = 10) -> None:
+    """Upsert one iteration's samples and shards, tag the tables with the promoted version, compact sometimes."""
+    db = _connect(uri)
+    samples = samples.drop_columns([c for c in _HEAVY if c in samples.column_names])
+    _upsert(db, ROLLOUTS, samples, "sample_id")
+    _upsert(db, SHARDS, shards, "path")
+    for name in (ROLLOUTS, SHARDS):
+        tbl = db.open_table(name)
+        tag = f"v{version}"
+        if tag not in tbl.tags.list():
+            tbl.tags.create(tag, tbl.version)
+        if compact_every and version % compact_every == 0:
+            tbl.optimize()
+
+
+def query(uri: str, table: str = ROLLOUTS, where: str | None = None, limit: int | None = None,
+          columns: list[str] | None = None) -> pa.Table:
+    """Rows of a catalog table matching a SQL `where` filter (LanceDB / DataFusion syntax)."""
+    db = _connect(uri)
+    if table not in db.table_names():
+        raise FileNotFoundError(f"the catalog at {uri} has no table {table!r} (no iteration was promoted yet?)")
+    q = db.open_table(table).search()
+    if where:
+        q = q.where(where)
+    if columns:
+        q = q.select(columns)
+    q = q.limit(limit) if limit else q.limit(None)
+    return q.to_arrow()
