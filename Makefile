@@ -16,7 +16,7 @@ export PREFECT_LOGGING_LEVEL ?= WARNING
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean services services-stop
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,12 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+services: $(STAMP)
+	infra/services.sh start
+
+services-stop:
+	infra/services.sh stop
 
 clean:
 	rm -rf lake mlflow.db .prefect

@@ -53,8 +53,23 @@ class ModelSection(_Section):
     tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="The locally built model.")
 
 
+class DatasetSection(_Section):
+    uri: str = Field(..., min_length=1, description="JSONL or Parquet at any fsspec URL, or a Hugging Face dataset id.")
+    format: Literal["auto", "jsonl", "parquet", "hf"] = Field("auto", description="auto: by file extension.")
+    split: str = Field("train", description="Split, for Hugging Face datasets.")
+    eval_uri: str | None = Field(None, description="Held-out prompts; default: task.n_eval rows held out of `uri`.")
+    eval_split: str = Field("test", description="Split of eval_uri, for Hugging Face datasets.")
+    question_field: str = Field("question", description="Field holding the question.")
+    answer_field: str = Field("answer", description="Field holding the answer (GSM8K `... #### n` accepted).")
+    template: str = Field("Question: {question}\nAnswer: ", description="Prompt text; `{question}` is replaced.")
+    max_rows: int | None = Field(None, ge=1, description="Read at most this many usable rows.")
+
+
 class TaskSection(_Section):
-    kind: Literal["arithmetic"] = Field("arithmetic", description="Prompt source.")
+    kind: Literal["arithmetic", "dataset"] = Field("arithmetic", description="Synthetic arithmetic, or a dataset.")
+    dataset: DatasetSection | None = Field(None, description="The prompt dataset, for kind: dataset.")
+    reward: Literal["arithmetic", "math_verify"] = Field("arithmetic", description="arithmetic: exact match plus "
+                                                         "partial credit; math_verify: symbolic equality (math-verify).")
     max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")
     n_shots: int = Field(8, ge=0, le=64, description="Solved examples in each prompt (makes prompts long).")
@@ -62,6 +77,11 @@ class TaskSection(_Section):
     partial_credit: float = Field(0.5, ge=0.0, lt=1.0, description="Reward weight of per-digit credit (0: exact only).")
     split_seed: int = Field(1234, ge=0, description="Seed of the train / held-out split (fixed across runs).")
     max_prompt_tokens: int = Field(1024, ge=8, description="Prompts longer than this are refused.")
+
+
+class DataSection(_Section):
+    on_bad_row: Literal["skip", "fail"] = Field("skip", description="A malformed dataset row (missing field, empty "
+                                                "prompt, invalid UTF-8, too long) is skipped and counted, or fails.")
 
 
 class BootstrapSection(_Section):
@@ -132,6 +152,7 @@ class TrackingSection(_Section):
     uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (SQLite file by default).")
     experiment: str | None = Field(None, description="MLflow experiment; default: run.name.")
     enabled: bool = Field(True, description="Log to MLflow.")
+    prefect_artifacts: bool = Field(True, description="A Prefect markdown artifact per iteration (reward, worst samples).")
 
 
 class Config(_Section):
@@ -141,6 +162,7 @@ class Config(_Section):
     lake: LakeSection = Field(default_factory=LakeSection)
     model: ModelSection = Field(default_factory=ModelSection)
     task: TaskSection = Field(default_factory=TaskSection)
+    data: DataSection = Field(default_factory=DataSection)
     bootstrap: BootstrapSection = Field(default_factory=BootstrapSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
@@ -157,6 +179,8 @@ class Config(_Section):
             raise ValueError("pipeline.max_staleness applies to mode 'async' only; set it to 0 or use mode: async")
         if self.pipeline.mode == "async":
             raise ValueError("pipeline.mode 'async' is not available yet; use 'periodic' or 'sync'")
+        if self.task.kind == "dataset" and self.task.dataset is None:
+            raise ValueError("task.kind 'dataset' needs a task.dataset section with at least `uri`")
         if self.rollout.engine == "vllm":
             raise ValueError("rollout.engine 'vllm' is not available yet; use 'builtin'")
         return self

@@ -238,6 +238,44 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    """PNG + HTML of a run's figures per iteration, written to --out and logged to its MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    from configs.schema import Config
+    from flows.report import render, run_metrics
+    from storage.lake import Lake, read_json, validate_run_id
+
+    lake = Lake(args.lake)
+    try:
+        cfg = Config.model_validate(read_json(lake, f"{lake.run_dir(validate_run_id(args.run_id))}/config.json"))
+        mlflow_id, metrics = run_metrics(cfg.tracking.uri, args.run_id)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    png, page = render(args.run_id, metrics, args.out)
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    client.log_artifact(mlflow_id, png, "report")
+    client.log_artifact(mlflow_id, page, "report")
+    print(f"{png}\n{page}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    """Publish `train_flow` as a deployment on the Prefect server and run what the UI triggers or schedules."""
+    if not os.environ.get("PREFECT_API_URL"):
+        print("error: lockstep serve needs a Prefect server: run `make services`, then "
+              "export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+        return 2
+    from flows.train import train_flow
+
+    config = os.path.abspath(args.config)
+    print(f"serving deployment lockstep-train/{args.name} with {config}; trigger runs from the Prefect UI", flush=True)
+    train_flow.serve(name=args.name, parameters={"config_path": config, "overrides": args.override},
+                     cron=args.cron, print_starting_message=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lockstep", description="On-policy periodic-asynchronous RL for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -269,6 +307,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="a new local directory")
     p.add_argument("--lake", default="./lake")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("report", help="PNG + HTML of a run's figures per iteration (also logged to MLflow)")
+    p.add_argument("run_id")
+    p.add_argument("--lake", default="./lake")
+    p.add_argument("--out", default="reports")
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("serve", help="publish train_flow as a Prefect deployment and run what the UI triggers")
+    p.add_argument("config", help="default config of triggered runs (the UI may override config_path)")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--name", default="lockstep-train", help="deployment name")
+    p.add_argument("--cron", default=None, help="optional schedule, e.g. '0 3 * * *'")
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("runs", help="list the runs of a lake with their state and last version")
     p.add_argument("--lake", default="./lake")
     p.set_defaults(func=cmd_runs)

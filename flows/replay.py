@@ -14,15 +14,15 @@ from configs.schema import Config
 from storage import checkpoints, ledger
 from storage.lake import Lake, atomic_write_bytes, read_json
 from storage.shards import read_shard
-from tasks.iteration import _groups_of, _micro_batches
+from tasks.iteration import groups_of, micro_batches
 from tasks.session import build_trainer, resolve_device
 
 
 @task(name="replay-iteration", cache_policy=NO_CACHE)
 def _replay_iteration(trainer, cfg: Config, lake: Lake, record: dict) -> dict:
     for sh in record["shards"]:
-        groups = _groups_of(read_shard(lake, sh["path"], sh["checksum"]))
-        for mb in _micro_batches(groups, cfg.train.micro_batch_tokens, cfg.train.shared_prompt):
+        groups = groups_of(read_shard(lake, sh["path"], sh["checksum"]))
+        for mb in micro_batches(groups, cfg.train.micro_batch_tokens, cfg.train.shared_prompt):
             trainer.micro_step(mb)
     return trainer.optimizer_step()
 

@@ -23,12 +23,13 @@ from tasks.iteration import (
     catalog_task,
     evaluate_task,
     log_task,
+    markdown_report_task,
     plan_task,
     promote_task,
     rollout_task,
     train_task,
 )
-from tasks.session import SESSIONS, RunSession, open_session
+from tasks.session import RunSession, open_session, unregister
 
 
 # Set by the CLI to show live progress; receives one dict per event (no-op by default).
@@ -107,6 +108,10 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
     iteration are reused, only the missing groups are generated.
     """
     cfg: Config = load_config(config_path, overrides or [])
+    from prefect.runtime import flow_run
+
+    if (flow_run.run_count or 1) > 1:  # Prefect retrying this flow run: continue the run it started
+        resume = True
     t_start = time.perf_counter()
     progress_hook({"event": "setup", "run_id": cfg.run.run_id})
     s = open_session(cfg, on_progress=lambda step, loss: progress_hook({"event": "bootstrap", "step": step,
@@ -134,12 +139,15 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
                 raise
             history.append(fig)
             progress_hook({"event": "iteration", "iteration": k, **fig})
+            if indexing is not None:
+                [f.result() for f in indexing]
+            indexing = []  # off the critical path: these run while the next iteration does
             if cfg.pipeline.catalog:
-                if indexing is not None:
-                    indexing.result()
-                indexing = catalog_task.submit(s.run_id, k, s.version)
+                indexing.append(catalog_task.submit(s.run_id, k, s.version))
+            if cfg.tracking.prefect_artifacts:
+                indexing.append(markdown_report_task.submit(s.run_id, k, fig))
         if indexing is not None:
-            indexing.result()
+            [f.result() for f in indexing]
         acc_final = evaluate_task(s.run_id)
         s.tracker.log_metrics({"eval/accuracy": acc_final}, step=cfg.run.iterations)
         wall = time.perf_counter() - t_start
@@ -167,7 +175,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
     finally:
         s.tracker.finish(status)
         s.close()
-        SESSIONS.pop(s.run_id, None)
+        unregister(s.run_id)
 
 
 def _fail_iteration(s: RunSession, k: int, error: BaseException) -> None:

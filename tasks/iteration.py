@@ -1,6 +1,6 @@
 """The Prefect tasks of one iteration: plan -> rollout x N (concurrent) || train (streaming) -> promote -> log.
 
-Each task takes the run id and small values, reaches the live objects through `tasks.session.SESSIONS`,
+Each task takes the run id and small values, reaches the live objects through `tasks.session.session(run_id)`,
 and returns small values (paths, figures), never tensors. Caching is off on purpose: these tasks act on
 live in-memory state, and what a resume may skip is decided by the ledger in the lake, not by Prefect's cache.
 """
@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from models.trainer import RolloutGroup
 from storage import checkpoints, faults, ledger
 from storage.shards import ShardError, read_shard, table_to_records
-from tasks.session import SESSIONS, evaluate, iteration_prompt_ids
+from tasks.session import evaluate, iteration_prompt_ids, session
 from tasks.workers import Chunk, WorkerError
 
 POLL_S = 0.01
@@ -25,7 +25,7 @@ POLL_S = 0.01
 @task(name="plan", cache_policy=NO_CACHE)
 def plan_task(run_id: str, iteration: int) -> dict:
     """Choose the iteration's prompts, cut them into chunks, put them on the workers' queue."""
-    s = SESSIONS[run_id]
+    s = session(run_id)
     t0 = time.perf_counter()
     prompt_ids = iteration_prompt_ids(s.cfg, len(s.train_prompts), iteration)
     k = s.cfg.pipeline.shard_groups
@@ -72,11 +72,11 @@ def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]
 @task(name="rollout", cache_policy=NO_CACHE)
 def rollout_task(run_id: str, iteration: int, worker: int) -> dict:
     """One rollout worker drains the iteration's chunk queue; returns its shards and busy time."""
-    s = SESSIONS[run_id]
+    s = session(run_id)
     return s.pool.run(worker, s.version, s.lake.checkpoint_dir(run_id, s.version))
 
 
-def _groups_of(table, group_size: int | None = None) -> list[RolloutGroup]:
+def groups_of(table, group_size: int | None = None) -> list[RolloutGroup]:
     """The shard's rows as whole groups, in row order; a shard holding part of a group is refused."""
     groups: dict[str, RolloutGroup] = {}
     for r in table_to_records(table):
@@ -94,7 +94,7 @@ def _groups_of(table, group_size: int | None = None) -> list[RolloutGroup]:
     return list(groups.values())
 
 
-def _micro_batches(groups: list[RolloutGroup], budget: int, shared: bool) -> list[list[RolloutGroup]]:
+def micro_batches(groups: list[RolloutGroup], budget: int, shared: bool) -> list[list[RolloutGroup]]:
     """Greedy packing of whole groups under a token budget (a group larger than the budget goes alone)."""
     out: list[list[RolloutGroup]] = []
     cur: list[RolloutGroup] = []
@@ -117,7 +117,7 @@ def _micro_batches(groups: list[RolloutGroup], budget: int, shared: bool) -> lis
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(run_id: str, iteration: int, expected_groups: int, started_at: float) -> dict:
     """Stream the iteration's shards as they land, micro-step on each, one optimizer step at the end."""
-    s = SESSIONS[run_id]
+    s = session(run_id)
     t_task = time.perf_counter()
     fs = s.lake.fs
     prefix = s.lake.iteration_rollouts(run_id, s.version, iteration)
@@ -146,13 +146,13 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             t1 = time.perf_counter()
             table = read_shard(s.lake, path)
             checksum = table.schema.metadata[b"lockstep.sha256"].decode()
-            groups = _groups_of(table, s.cfg.rollout.group_size)
+            groups = groups_of(table, s.cfg.rollout.group_size)
             t2 = time.perf_counter()
             storage += t2 - t1
             for g in groups:
                 rewards.extend(g.rewards)
                 staleness.extend(s.version - v for tv in g.token_versions for v in tv)
-            for mb in _micro_batches(groups, s.cfg.train.micro_batch_tokens, s.cfg.train.shared_prompt):
+            for mb in micro_batches(groups, s.cfg.train.micro_batch_tokens, s.cfg.train.shared_prompt):
                 s.trainer.micro_step(mb)
                 faults.point("mid-train")
             busy += time.perf_counter() - t2
@@ -184,7 +184,7 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
 @task(name="promote", cache_policy=NO_CACHE)
 def promote_task(run_id: str, iteration: int) -> dict:
     """Save the new version's checkpoint with optimizer state, verify it, promote it; workers load it next."""
-    s = SESSIONS[run_id]
+    s = session(run_id)
     t0 = time.perf_counter()
     new_version = s.version + 1
     checkpoints.save_checkpoint(s.lake, run_id, new_version, s.trainer.model, s.tokenizer, s.trainer.optimizer,
@@ -207,7 +207,7 @@ def catalog_task(run_id: str, iteration: int, version: int) -> int:
     from models.objectives import compute_advantages
     from storage import catalog
 
-    s = SESSIONS[run_id]
+    s = session(run_id)
     uri = catalog.catalog_uri(s.lake, run_id)
     if uri is None:
         return 0
@@ -237,9 +237,35 @@ def catalog_task(run_id: str, iteration: int, version: int) -> int:
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_task(run_id: str) -> float:
-    return evaluate(SESSIONS[run_id])
+    return evaluate(session(run_id))
 
 
 @task(name="log", cache_policy=NO_CACHE)
 def log_task(run_id: str, step: int, metrics: dict) -> None:
-    SESSIONS[run_id].tracker.log_metrics(metrics, step)
+    session(run_id).tracker.log_metrics(metrics, step)
+
+
+@task(name="iteration-report", cache_policy=NO_CACHE)
+def markdown_report_task(run_id: str, iteration: int, figures: dict, worst: int = 5) -> None:
+    """A Prefect markdown artifact per iteration: version, reward statistics and the worst samples."""
+    from prefect.artifacts import create_markdown_artifact
+
+    s = session(run_id)
+    rec = ledger.read_record(s.lake, run_id, iteration)
+    rows = []
+    for sh in rec["shards"]:
+        t = read_shard(s.lake, sh["path"], sh["checksum"]).select(["group_id", "sample_index", "reward",
+                                                                     "response_text", "finish_reason"])
+        rows.extend(t.to_pylist())
+    rows.sort(key=lambda r: r["reward"])
+    lines = [f"# {run_id} iteration {iteration}", "",
+             f"trained on policy version {iteration}, promoted version {rec.get('promoted_version')}", "",
+             "| reward mean | reward std | samples | time (s) |", "|---|---|---|---|",
+             f"| {figures['reward/mean']:.4f} | {figures['reward/std']:.4f} | {len(rows)} | "
+             f"{figures['time/iteration_s']:.2f} |", "", f"## {worst} lowest-reward samples", "",
+             "| group | sample | reward | finish | response |", "|---|---|---|---|---|"]
+    for r in rows[:worst]:
+        text = r["response_text"].replace("|", "\\|").replace("\n", "\\n")[:80]
+        lines.append(f"| {r['group_id']} | {r['sample_index']} | {r['reward']:.3f} | {r['finish_reason']} | `{text}` |")
+    create_markdown_artifact(key=f"{run_id.lower().replace('_', '-').replace('.', '-')}-iter-{iteration}",
+                             markdown="\n".join(lines), description=f"lockstep {run_id} iteration {iteration}")

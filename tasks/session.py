@@ -20,6 +20,7 @@ import torch
 from configs.schema import Config, flatten, resolved_json
 from models import arithmetic
 from models.bootstrap import greedy_answers, sft
+from models.rewards import score
 from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, load_hf, single_token_id
 from models.trainer import LossSettings, PolicyTrainer
 from storage import checkpoints, ledger
@@ -54,6 +55,27 @@ class RunSession:
 SESSIONS: dict[str, RunSession] = {}
 
 
+def session(run_id: str) -> RunSession:
+    """The live session of a run. Looked up through `sys.modules` at call time, never through a captured global:
+    Prefect's runner (`lockstep serve`) may ship flow and task functions by value (cloudpickle), and each such copy
+    would otherwise hold a registry of its own."""
+    import importlib
+
+    return importlib.import_module("tasks.session").SESSIONS[run_id]
+
+
+def register(s: RunSession) -> None:
+    import importlib
+
+    importlib.import_module("tasks.session").SESSIONS[s.run_id] = s
+
+
+def unregister(run_id: str) -> None:
+    import importlib
+
+    importlib.import_module("tasks.session").SESSIONS.pop(run_id, None)
+
+
 def resolve_device(kind: str) -> torch.device:
     """The one device resolver: auto picks CUDA, then an Ascend NPU, then the CPU (which always works)."""
     if kind == "auto":
@@ -78,20 +100,59 @@ def default_run_id(cfg: Config) -> str:
 
 
 def task_prompts(cfg: Config, tokenizer) -> tuple[list, list, list, list]:
+    """(train prompts, their token ids, held-out prompts, their token ids) of the configured task."""
     t = cfg.task
-    train, held_out = arithmetic.build_splits(t.max_operand, tuple(t.ops), t.n_eval, t.split_seed)
-    train_prompts = arithmetic.make_prompts(train, train, t.n_shots, t.split_seed)
-    eval_prompts = arithmetic.make_prompts(held_out, train, t.n_shots, t.split_seed + 1)
+    if t.kind == "arithmetic":
+        train, held_out = arithmetic.build_splits(t.max_operand, tuple(t.ops), t.n_eval, t.split_seed)
+        train_prompts = arithmetic.make_prompts(train, train, t.n_shots, t.split_seed)
+        eval_prompts = arithmetic.make_prompts(held_out, train, t.n_shots, t.split_seed + 1)
+    else:
+        train_prompts, eval_prompts = _dataset_prompts(cfg)
 
-    def encode(prompts):
+    def encode(prompts, name):
         ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
-        too_long = [p.prompt_id for p, i in zip(prompts, ids) if len(i) > t.max_prompt_tokens]
-        if too_long:
-            raise ValueError(f"{len(too_long)} prompts exceed task.max_prompt_tokens={t.max_prompt_tokens} "
-                             f"(e.g. prompt {too_long[0]}); lower task.n_shots or raise the limit")
-        return ids
+        keep = [len(i) <= t.max_prompt_tokens for i in ids]
+        if not all(keep):
+            first = prompts[keep.index(False)].prompt_id
+            if t.kind == "arithmetic" or cfg.data.on_bad_row == "fail":
+                raise ValueError(f"{keep.count(False)} {name} prompts exceed task.max_prompt_tokens="
+                                 f"{t.max_prompt_tokens} (e.g. prompt {first}); shorten them or raise the limit")
+            prompts = [p for p, k in zip(prompts, keep) if k]
+            ids = [i for i, k in zip(ids, keep) if k]
+        return prompts, ids
 
-    return train_prompts, encode(train_prompts), eval_prompts, encode(eval_prompts)
+    train_prompts, train_ids = encode(train_prompts, "training")
+    eval_prompts, eval_ids = encode(eval_prompts, "held-out")
+    # worker-side prompt ids index the training list
+    train_prompts = [arithmetic.Prompt(i, p.text, p.answer) for i, p in enumerate(train_prompts)]
+    return train_prompts, train_ids, eval_prompts, eval_ids
+
+
+def _dataset_prompts(cfg: Config) -> tuple[list, list]:
+    import random
+
+    from storage.datasets import load_prompts
+
+    d = cfg.task.dataset
+    common = dict(question_field=d.question_field, answer_field=d.answer_field, template=d.template,
+                  on_bad_row=cfg.data.on_bad_row, max_prompt_chars=cfg.task.max_prompt_tokens * 8)
+    rows, report = load_prompts(d.uri, fmt=d.format, split=d.split, limit=d.max_rows, **common)
+    if report.skipped:
+        import logging
+
+        logging.getLogger("lockstep").warning("%s (e.g. %s)", report.summary(), "; ".join(report.examples[:3]))
+    if d.eval_uri:
+        held, _ = load_prompts(d.eval_uri, fmt=d.format, split=d.eval_split, limit=cfg.task.n_eval, **common)
+    else:
+        if len(rows) <= cfg.task.n_eval:
+            raise ValueError(f"{d.uri} has {len(rows)} usable rows: too few to hold out task.n_eval="
+                             f"{cfg.task.n_eval}; lower it or give task.dataset.eval_uri")
+        order = list(range(len(rows)))
+        random.Random(cfg.task.split_seed).shuffle(order)
+        held = [rows[i] for i in order[: cfg.task.n_eval]]
+        rows = [rows[i] for i in sorted(order[cfg.task.n_eval :])]
+    to_prompt = lambda r: arithmetic.Prompt(r.prompt_id, r.text, r.answer)  # noqa: E731
+    return [to_prompt(r) for r in rows], [to_prompt(r) for r in held]
 
 
 def bootstrap_key(cfg: Config) -> str:
@@ -126,7 +187,7 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
 
         def stop_when(step: int) -> bool:
             acc = accuracy(model, tokenizer, [train_ids[i] for i in check], [train_prompts[i] for i in check],
-                           cfg.eval.max_new_tokens)
+                           cfg.eval.max_new_tokens, cfg.task.reward)
             return acc >= b.target_accuracy
 
     with torch.random.fork_rng():
@@ -139,21 +200,23 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
     return final, False
 
 
-def accuracy(model, tok, token_ids: list[list[int]], prompts: list[arithmetic.Prompt], max_new_tokens: int) -> float:
-    """Exact match of the greedy answer."""
+def accuracy(model, tok, token_ids: list[list[int]], prompts: list[arithmetic.Prompt], max_new_tokens: int,
+             reward_kind: str = "arithmetic") -> float:
+    """Fraction of greedy answers the task's reward scores as correct (exact match for arithmetic)."""
     was_training = model.training
     outs = greedy_answers(model, token_ids, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id, stop_token_id=single_token_id(tok, "\n"))
     model.train(was_training)
-    hits = sum(arithmetic.extract_answer(tok.decode(o, skip_special_tokens=True)) == p.answer
+    hits = sum(score(reward_kind, tok.decode(o, skip_special_tokens=True), p.answer) == 1.0
                for o, p in zip(outs, prompts))
     return hits / len(prompts)
+
 
 
 def evaluate(session: RunSession) -> float:
     """Held-out accuracy: exact match of the greedy answer."""
     return accuracy(session.trainer.model, session.tokenizer, session.eval_token_ids, session.eval_prompts,
-                    session.cfg.eval.max_new_tokens)
+                    session.cfg.eval.max_new_tokens, session.cfg.task.reward)
 
 
 class RunExistsError(RuntimeError):
@@ -216,6 +279,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
         lake_uri=cfg.lake.uri, run_id=run_id, model_dir=local_v0, threads=cfg.resources.rollout_threads,
         run_seed=cfg.run.seed, group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, partial_credit=cfg.task.partial_credit,
+        reward_kind=cfg.task.reward,
         compression=cfg.lake.compression,
         prompts=[(p.prompt_id, p.text, p.answer, i) for p, i in zip(train_prompts, train_ids)],
     )
@@ -228,7 +292,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
         tracker = Tracker.disabled()
     session = RunSession(run_id, cfg, lake, tokenizer, trainer, pool, tracker, train_prompts, train_ids,
                          eval_prompts, eval_ids, version, device)
-    SESSIONS[run_id] = session
+    register(session)
     return session
 
 

@@ -35,6 +35,7 @@ class WorkerSpec:
     top_p: float
     partial_credit: float
     compression: str | None
+    reward_kind: str
     prompts: list[tuple[int, str, str, list[int]]] = field(repr=False)  # (prompt_id, text, answer, token ids)
 
 
@@ -62,8 +63,8 @@ def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, pare
     import torch
 
     torch.set_num_threads(spec.threads)
-    from models.arithmetic import reward
     from models.engine import SamplingParams, generate_groups, sample_seed
+    from models.rewards import score
     from models.tiny import load_hf, single_token_id
     from storage import checkpoints
     from storage.lake import Lake
@@ -119,7 +120,8 @@ def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, pare
                             group_id=f"{chunk.iteration}-{pid}", prompt_id=pid, sample_index=j, prompt_ids=pids,
                             response_ids=s.response_ids, behavior_logprobs=s.logprobs,
                             token_versions=[chunk.version] * len(s.response_ids),
-                            reward=reward(resp, answer, spec.partial_credit), finish_reason=s.finish_reason,
+                            reward=score(spec.reward_kind, resp, answer, spec.partial_credit),
+                            finish_reason=s.finish_reason,
                             prompt_text=text, response_text=resp, worker=worker_id, seed=s.seed, created_at=now,
                         ))
                 t1 = time.perf_counter()

@@ -43,6 +43,19 @@ def test_replay_and_audit(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out) == 8 * 4 and {r["policy_version"] for r in out} == {1}
     assert cli(["audit", "orig", "--lake", lake_uri, "--where", "no_such_column > 1"]) == 2
+    # report: PNG + HTML on disk and in the MLflow run
+    assert cli(["report", "orig", "--lake", lake_uri, "--out", str(tmp_path / "rep")]) == 0
+    png, page = tmp_path / "rep" / "orig-report.png", (tmp_path / "rep" / "orig-report.html").read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "reward/mean" in page and "time/train_busy_s" in page and "data:image/png;base64," in page
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id],
+                                filter_string="tags.`lockstep.run_id` = 'orig'")
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "report")} == {
+        "report/orig-report.png", "report/orig-report.html"}
+    capsys.readouterr()
     assert cli(["runs", "--lake", lake_uri]) == 0
     listing = capsys.readouterr().out
     assert "orig" in listing and "finished" in listing and "version 2" in listing

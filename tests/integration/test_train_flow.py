@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import torch
 from mlflow.tracking import MlflowClient
@@ -14,42 +15,43 @@ from tests.integration.runs import all_samples, final_params, write_config
 
 
 def test_two_iterations_through_prefect(tmp_path):
-    cfg = write_config(tmp_path, "flow2", {"run.iterations": 2})
+    rid = f"flow2-{uuid.uuid4().hex[:8]}"  # Prefect artifacts outlive the test's lake: keys must be new
+    cfg = write_config(tmp_path, rid, {"run.iterations": 2})
     summary = train_flow(config_path=cfg)
     lake_uri = str(tmp_path / "lake")
     lake = Lake(lake_uri)
 
     # every parameter tensor changed between v0 and v2
-    v0, v2 = final_params(lake_uri, "flow2", 0), final_params(lake_uri, "flow2", 2)
+    v0, v2 = final_params(lake_uri, rid, 0), final_params(lake_uri, rid, 2)
     assert v0.keys() == v2.keys()
     unchanged = [k for k in v0 if torch.equal(v0[k], v2[k])]
     assert not unchanged, f"parameters not updated: {unchanged}"
 
     # shards: 8 groups x 4 samples per iteration, all of their own iteration's version
-    samples = all_samples(lake_uri, "flow2")
+    samples = all_samples(lake_uri, rid)
     assert len(samples) == 2 * 8 * 4
     assert all(r.policy_version == r.iteration for r in samples.values())
     assert all(set(r.token_versions) <= {r.iteration} for r in samples.values())
 
     # ledger: both iterations promoted, with their shards' checksums
-    records = ledger.read_all(lake, "flow2")
+    records = ledger.read_all(lake, rid)
     assert [r["state"] for r in records] == ["promoted", "promoted"]
     assert [r["promoted_version"] for r in records] == [1, 2]
     assert sum(sh["groups"] for sh in records[0]["shards"]) == 8
     assert [h["state"] for h in records[0]["history"]] == ["planned", "rolling_out", "trained", "promoted"]
 
     # summary.json and the frozen config
-    on_disk = json.loads((tmp_path / "lake/runs/flow2/summary.json").read_text())
+    on_disk = json.loads((tmp_path / f"lake/runs/{rid}/summary.json").read_text())
     assert on_disk["promoted_version"] == 2 and on_disk["mode"] == "periodic" and on_disk["iterations"] == 2
     assert 0.0 <= on_disk["eval_accuracy_final"] <= 1.0
-    assert summary["run_id"] == "flow2"
-    frozen = json.loads((tmp_path / "lake/runs/flow2/config.json").read_text())
-    assert frozen["run"]["run_id"] == "flow2" and frozen["rollout"]["group_size"] == 4
+    assert summary["run_id"] == rid
+    frozen = json.loads((tmp_path / f"lake/runs/{rid}/config.json").read_text())
+    assert frozen["run"]["run_id"] == rid and frozen["rollout"]["group_size"] == 4
 
     # MLflow: reward/mean for steps 0, 1 and eval/accuracy for steps 0, 1, 2
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("t")
-    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`lockstep.run_id` = 'flow2'")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`lockstep.run_id` = '{rid}'")
     assert run.info.status == "FINISHED"
     reward_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean"))
     acc_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy"))
@@ -64,3 +66,13 @@ def test_two_iterations_through_prefect(tmp_path):
     assert run.data.params["rollout.group_size"] == "4"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.json", "curves.png"} <= artifacts
+
+    # a Prefect markdown artifact per iteration with the reward statistics and the worst samples
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as prefect:
+        arts = prefect.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[f"{rid}-iter-0", f"{rid}-iter-1"])))
+    assert sorted(a.key for a in arts) == [f"{rid}-iter-0", f"{rid}-iter-1"]
+    assert all("lowest-reward samples" in a.data and "reward mean" in a.data for a in arts)

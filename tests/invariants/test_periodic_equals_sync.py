@@ -46,7 +46,7 @@ def test_periodic_equals_sync_and_negative_control(tmp_path, monkeypatch):
     assert diff <= 1e-5, f"periodic differs from sync by {diff}"
 
     # negative control: train every micro-batch of the first shard twice
-    original = tasks.iteration._micro_batches
+    original = tasks.iteration.micro_batches
     calls = {"n": 0}
 
     def twice(groups, budget, shared):
@@ -54,7 +54,7 @@ def test_periodic_equals_sync_and_negative_control(tmp_path, monkeypatch):
         mbs = original(groups, budget, shared)
         return mbs + mbs if calls["n"] == 1 else mbs
 
-    monkeypatch.setattr(tasks.iteration, "_micro_batches", twice)
+    monkeypatch.setattr(tasks.iteration, "micro_batches", twice)
     bad_params, _ = _run(tmp_path, "double", "periodic")
     assert calls["n"] > 1
     bad = _max_param_diff(sync_params, bad_params)

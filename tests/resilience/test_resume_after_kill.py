@@ -59,7 +59,7 @@ def reference(tmp_path_factory):
 POINTS = [
     ("after-plan@2", -9),  # mid-rollout of iteration 1
     ("shard-write@3", 1),  # a rollout worker killed between writing a shard's bytes and publishing it
-    ("mid-train@3", -9),  # iteration 1, after some micro-steps
+    ("mid-train@6", -9),  # iteration 1 (4 micro-steps per iteration), after two of its micro-steps
     ("mid-checkpoint@2", -9),  # checkpoint v2 written under _tmp, not moved into place
     ("before-promote@2", -9),  # checkpoint v2 complete, PROMOTED still says v1
     ("after-promote@1", -9),  # PROMOTED says v1, the ledger still says iteration 0 'trained'
@@ -112,3 +112,34 @@ def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code):
     # nothing stray is left in the rollouts folders either (a duplicate chunk would show here)
     on_disk = lake.fs.glob(f"{lake.run_dir(run_id)}/rollouts/*/*/*.arrow")
     assert len(on_disk) == ITERS * 4
+
+
+@pytest.mark.slow
+def test_damaged_shards_are_quarantined_and_regenerated(reference):
+    """Kill mid-rollout, then truncate one shard of the interrupted iteration and flip a bit in another:
+    resume must detect both, move them to quarantine/, regenerate them, and still equal the reference."""
+    tmp, ref_params = reference
+    run_id = "k-damaged"
+    cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@6")
+    assert code == -9, log[-3000:]
+    lake_uri = str(tmp / "lake")
+    lake = Lake(lake_uri)
+    shards = sorted(lake.fs.glob(f"{lake.run_dir(run_id)}/rollouts/policy_version=1/iter-000001/*.arrow"))
+    assert len(shards) >= 2, shards
+    data = Path(shards[0]).read_bytes()
+    Path(shards[0]).write_bytes(data[: len(data) // 2])  # truncated
+    data = bytearray(Path(shards[1]).read_bytes())
+    data[data.index(b"Q: ")] ^= 0x01  # one flipped bit inside the prompt text ('Q' -> 'P')
+    Path(shards[1]).write_bytes(bytes(data))
+
+    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp)
+    assert code == 0, log[-3000:]
+    rec = ledger.read_record(lake, run_id, 1)
+    assert len(rec["quarantined"]) == 2
+    assert all(lake.fs.exists(q) for q in rec["quarantined"])
+    params = final_params(lake_uri, run_id, ITERS)
+    diff = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
+    assert diff <= 1e-5, f"resumed run differs from the uninterrupted one by {diff}"
+    for sh in rec["shards"]:  # the regenerated shards read cleanly
+        read_shard(lake, sh["path"], sh["checksum"])

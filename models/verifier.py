@@ -1,0 +1,30 @@
+"""Answer verification for math datasets with `math-verify` (Hugging Face's maintained verifier, PyPI).
+
+It parses the reference and the model's answer (plain numbers, fractions, LaTeX, `\\boxed{}`) and compares
+them symbolically, so "72", "72.0", "$72$" and "\\boxed{72}" all match 72; "1,000" matches 1000.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def _require():
+    if importlib.util.find_spec("math_verify") is None:
+        raise ImportError("the math verifier needs math-verify: pip install 'math-verify>=0.7'")
+    import math_verify
+
+    return math_verify
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 if the response's final answer equals the reference (after `####` if present), else 0.0."""
+    mv = _require()
+    final = response.rsplit("####", 1)[-1] if "####" in response else response
+    gold = mv.parse(answer)
+    if not gold:
+        return 0.0
+    try:
+        return 1.0 if mv.verify(gold, mv.parse(final)) else 0.0
+    except Exception:  # the verifier's own parse/compare errors mean "not verified", never a crash of a worker
+        return 0.0

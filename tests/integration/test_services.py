@@ -1,0 +1,92 @@
+"""Real services on loopback: Prefect server + MLflow server from infra/, a run triggered through the
+`lockstep serve` deployment, checked through Prefect's and MLflow's client APIs, then everything stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runs import write_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_run_triggered_through_the_deployment(tmp_path):
+    pp, mp = _free_port(), _free_port()
+    env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"), "PREFECT_PORT": str(pp),
+           "MLFLOW_PORT": str(mp), "LOCKSTEP_BIN": str(Path(sys.executable).parent), "PYTHONPATH": str(REPO)}
+    api, mlflow_uri = f"http://127.0.0.1:{pp}/api", f"http://127.0.0.1:{mp}"
+    started = subprocess.run(["infra/services.sh", "start"], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    serve = None
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert f"http://127.0.0.1:{pp}" in started.stdout and f"http://127.0.0.1:{mp}" in started.stdout
+        cfg = write_config(tmp_path, "served", {"run.iterations": 2})
+        serve_env = {**env, "PREFECT_API_URL": api}
+        serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", cfg, "--name", "it",
+                                  "-o", f"tracking.uri={mlflow_uri}"], cwd=REPO, env=serve_env,
+                                 stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+        from prefect.deployments import run_deployment
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: api}):
+            with get_client(sync_client=True) as client:
+                deadline = time.monotonic() + 120
+                while True:  # the deployment appears once `serve` has registered it
+                    try:
+                        client.read_deployment_by_name("lockstep-train/it")
+                        break
+                    except Exception:
+                        assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+                        time.sleep(1)
+                run = run_deployment("lockstep-train/it", timeout=0)
+                deadline = time.monotonic() + 400
+                while True:
+                    state = client.read_flow_run(run.id).state
+                    if state.is_final():
+                        break
+                    assert time.monotonic() < deadline, f"flow run still {state.type} after 400 s"
+                    time.sleep(2)
+                assert state.is_completed(), f"{state.type}: {state.message}\n" + (tmp_path / "serve.log").read_text()[
+                    -3000:]
+                tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+                names = {t.name.rsplit("-", 1)[0] for t in tasks}
+                assert {"plan", "rollout", "train", "promote", "log", "evaluate"} <= names, names
+                assert all(t.state.is_completed() for t in tasks), [(t.name, t.state.type) for t in tasks]
+
+        from mlflow.tracking import MlflowClient
+
+        ml = MlflowClient(tracking_uri=mlflow_uri)
+        (mrun,) = ml.search_runs([ml.get_experiment_by_name("t").experiment_id],
+                                 filter_string="tags.`lockstep.run_id` = 'served'")
+        assert mrun.info.status == "FINISHED"
+        assert sorted(m.step for m in ml.get_metric_history(mrun.info.run_id, "reward/mean")) == [0, 1]
+        assert sorted(m.step for m in ml.get_metric_history(mrun.info.run_id, "eval/accuracy")) == [0, 1, 2]
+    finally:
+        if serve is not None:
+            try:
+                os.killpg(serve.pid, signal.SIGTERM)
+                serve.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(serve.pid, signal.SIGKILL)
+        stopped = subprocess.run(["infra/services.sh", "stop"], cwd=REPO, env=env, capture_output=True, text=True,
+                                 timeout=120)
+        assert stopped.returncode == 0, stopped.stderr

@@ -1,0 +1,96 @@
+"""Prompt datasets (JSONL, Parquet, any fsspec URL), bad-row handling, and the math verifier."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from models.verifier import math_reward
+from storage.datasets import DatasetError, gsm8k_final_answer, load_prompts
+
+GOOD = [
+    {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "A box holds 1,200 pens; 200 are sold.", "answer": "1,200 - 200 = 1,000\n#### 1,000"},
+]
+
+
+def _jsonl(path, rows_bytes: list[bytes]) -> str:
+    with fsspec.open(path, "wb") as f:
+        f.write(b"\n".join(rows_bytes) + b"\n")
+    return path
+
+
+def test_gsm8k_final_answer():
+    assert gsm8k_final_answer("48/2 = 24\n#### 24") == "24"
+    assert gsm8k_final_answer("#### 1,000") == "1000"  # thousands separators dropped
+    assert gsm8k_final_answer("a #### 3 #### 5") == "5"  # the last marker counts
+    assert gsm8k_final_answer("42") == "42"  # plain answers pass through
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_jsonl_round_trip(tmp_path, where):
+    path = str(tmp_path / "d.jsonl") if where == "local" else f"memory://ds-{uuid.uuid4().hex}/d.jsonl"
+    _jsonl(path, [json.dumps(r).encode() for r in GOOD])
+    records, report = load_prompts(path, template="Question: {question}\nAnswer:")
+    assert [r.answer for r in records] == ["7", "1000"]
+    assert records[0].text == "Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:"
+    assert [r.prompt_id for r in records] == [0, 1] and report.kept == report.rows == 2
+
+
+def test_parquet(tmp_path):
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist([{"q": r["question"], "a": r["answer"]} for r in GOOD]), path)
+    records, _ = load_prompts(path, question_field="q", answer_field="a")
+    assert [r.answer for r in records] == ["7", "1000"] and records[1].text.startswith("A box holds")
+
+
+BAD_ROWS = {
+    "missing field": json.dumps({"answer": "#### 1"}).encode(),
+    "empty": json.dumps({"question": "   ", "answer": "#### 1"}).encode(),
+    "invalid UTF-8": b'{"question": "caf\xe9 \xff", "answer": "#### 1"}',
+    "too long": json.dumps({"question": "x" * 500, "answer": "#### 1"}).encode(),
+    "not JSON": b"{question: 1",
+    "empty answer": json.dumps({"question": "q?", "answer": "#### "}).encode(),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_ROWS))
+def test_bad_row_skip_and_fail(tmp_path, kind):
+    rows = [json.dumps(GOOD[0]).encode(), BAD_ROWS[kind], json.dumps(GOOD[1]).encode()]
+    path = _jsonl(str(tmp_path / "d.jsonl"), rows)
+    records, report = load_prompts(path, max_prompt_chars=200, on_bad_row="skip")
+    assert [r.prompt_id for r in records] == [0, 2]  # the bad row 1 is skipped, ids stay the source rows
+    assert report.rows == 3 and report.kept == 2 and sum(report.skipped.values()) == 1
+    assert report.examples[0].startswith("row 1: ")
+    assert "2 of 3 rows kept" in report.summary()
+    with pytest.raises(DatasetError, match=r"d\.jsonl, row 1: .*on_bad_row: skip"):
+        load_prompts(path, max_prompt_chars=200, on_bad_row="fail")
+
+
+def test_no_usable_rows_is_an_error(tmp_path):
+    path = _jsonl(str(tmp_path / "d.jsonl"), [BAD_ROWS["empty"]])
+    with pytest.raises(DatasetError, match="no usable rows"):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize(
+    "response,answer,expected",
+    [
+        ("7", "7", 1.0),
+        ("The total is 7.", "7", 1.0),
+        ("\\boxed{7}", "7", 1.0),
+        ("3 + 4 = 7\n#### 7", "7", 1.0),  # GSM8K-formatted response
+        ("#### 1,000", "1000", 1.0),
+        ("0.5", "1/2", 1.0),
+        ("8", "7", 0.0),
+        ("", "7", 0.0),
+        ("#### 6", "7", 0.0),
+    ],
+)
+def test_math_verifier(response, answer, expected):
+    assert math_reward(response, answer) == expected
