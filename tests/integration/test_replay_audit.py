@@ -13,7 +13,7 @@ from tests.integration.runs import all_samples, final_params, write_config
 
 
 def test_replay_and_audit(tmp_path, capsys):
-    train_flow(config_path=write_config(tmp_path, "orig", {"run.iterations": 2}))
+    train_flow(config_path=write_config(tmp_path, "orig", {"run.iterations": 2, "pipeline.catalog_compact_every": 1}))
     lake_uri = str(tmp_path / "lake")
 
     rows = replay_flow(run_id="orig", lake_uri=lake_uri, to_run_id="again")

@@ -57,3 +57,26 @@ def test_checkpoint_write_error_keeps_the_promoted_version(tmp_path, monkeypatch
     assert not lake.fs.exists(lake.checkpoint_dir("enospc", 2))
     assert lake.fs.glob(f"{lake.run_dir('enospc')}/_tmp/*v000002*") == []  # the half-written folder is gone
     assert ledger.read_record(lake, "enospc", 1)["state"] == "failed"
+
+
+def test_prefect_retry_of_the_flow_resumes_the_run(tmp_path, monkeypatch):
+    """A flow run that Prefect retries continues the run it started instead of refusing the existing run."""
+    import tasks.iteration
+
+    real = tasks.iteration.micro_batches
+    state = {"failed": False, "calls": 0}
+
+    def flaky(groups, budget, shared):
+        state["calls"] += 1
+        if state["calls"] == 6 and not state["failed"]:  # once, in iteration 1
+            state["failed"] = True
+            raise ConnectionError("transient storage outage")
+        return real(groups, budget, shared)
+
+    monkeypatch.setattr(tasks.iteration, "micro_batches", flaky)
+    summary = train_flow.with_options(retries=1)(config_path=write_config(tmp_path, "retry", {"run.iterations": 3}))
+    lake = Lake(str(tmp_path / "lake"))
+    assert state["failed"] and summary["promoted_version"] == 3
+    assert [r["state"] for r in ledger.read_all(lake, "retry")] == ["promoted"] * 3
+    history = [h["state"] for h in ledger.read_record(lake, "retry", 1)["history"]]
+    assert history[:3] == ["planned", "rolling_out", "failed"] and history[-1] == "promoted"
