@@ -139,15 +139,15 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
                 raise
             history.append(fig)
             progress_hook({"event": "iteration", "iteration": k, **fig})
-            if indexing is not None:
-                [f.result() for f in indexing]
+            for f in indexing or []:
+                f.result()
             indexing = []  # off the critical path: these run while the next iteration does
             if cfg.pipeline.catalog:
                 indexing.append(catalog_task.submit(s.run_id, k, s.version))
             if cfg.tracking.prefect_artifacts:
                 indexing.append(markdown_report_task.submit(s.run_id, k, fig))
-        if indexing is not None:
-            [f.result() for f in indexing]
+        for f in indexing or []:
+            f.result()
         acc_final = evaluate_task(s.run_id)
         s.tracker.log_metrics({"eval/accuracy": acc_final}, step=cfg.run.iterations)
         wall = time.perf_counter() - t_start

@@ -23,7 +23,7 @@ from models.bootstrap import greedy_answers, sft
 from models.rewards import score
 from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, load_hf, single_token_id
 from models.trainer import LossSettings, PolicyTrainer
-from storage import checkpoints, ledger
+from storage import checkpoints
 from storage.lake import Lake, atomic_write_bytes, validate_run_id
 from storage.tracking import Tracker
 from tasks.workers import WorkerPool, WorkerSpec
@@ -135,7 +135,8 @@ def _dataset_prompts(cfg: Config) -> tuple[list, list]:
 
     d = cfg.task.dataset
     common = dict(question_field=d.question_field, answer_field=d.answer_field, template=d.template,
-                  on_bad_row=cfg.data.on_bad_row, max_prompt_chars=cfg.task.max_prompt_tokens * 8)
+                  on_bad_row=cfg.data.on_bad_row,
+                  max_prompt_chars=cfg.task.max_prompt_tokens * 8)  # a cheap pre-filter; tokens are checked after
     rows, report = load_prompts(d.uri, fmt=d.format, split=d.split, limit=d.max_rows, **common)
     if report.skipped:
         import logging
@@ -311,8 +312,3 @@ def iteration_prompt_ids(cfg: Config, n_train: int, iteration: int) -> list[int]
         out.extend(perm[offset : offset + take])
         pos += take
     return out
-
-
-def ledger_state(session: RunSession, iteration: int) -> str | None:
-    rec = ledger.read_record(session.lake, session.run_id, iteration)
-    return rec["state"] if rec else None
