@@ -13,6 +13,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_LOGGING_LEVEL ?= WARNING
+# a loaded 2-core machine can take longer than the 20 s default to start the ephemeral API (seen in tests)
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 

@@ -24,7 +24,9 @@ import yaml
 from benchmarks.common import emit
 
 
-def run(tmp: str, name: str, overrides: dict, iterations: int) -> list[dict]:
+def run(tmp: str, name: str, overrides: dict, iterations: int, full: bool = False) -> list[dict] | dict:
+    """The demo config (+ overrides) through the real flow, tracking and evaluation off; its per-iteration figures
+    (or, with `full`, the flow's whole result: summary and history)."""
     from flows.train import train_flow
 
     cfg = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "configs", "arith-tiny.yaml")))
@@ -38,7 +40,8 @@ def run(tmp: str, name: str, overrides: dict, iterations: int) -> list[dict]:
     path = f"{tmp}/{name}.yaml"
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
-    return train_flow(config_path=path)["history"]
+    out = train_flow(config_path=path)
+    return out if full else out["history"]
 
 
 def summarise(mode: str, history: list[dict], warmup: int, **extra) -> dict:

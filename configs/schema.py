@@ -101,7 +101,15 @@ class RolloutSection(_Section):
     max_new_tokens: int = Field(6, ge=1, le=32768, description="Response length limit.")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (the loss uses the same).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    engine: Literal["builtin", "vllm"] = Field("builtin", description="Generation engine.")
+    engine: Literal["builtin", "vllm"] = Field("builtin", description="Generation engine: builtin (torch, any "
+                                               "device) or vllm (CUDA; Ascend with vllm-ascend).")
+    vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="vllm: weight dtype.")
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0.0, le=0.95, description="vllm: fraction of device memory "
+                                               "vLLM may take (the trainer shares the device when colocated).")
+    vllm_max_model_len: int | None = Field(None, ge=16, description="vllm: context length (null: the model's).")
+    interrupt_on_update: bool = Field(False, description="async: a weight update interrupts in-flight samples, "
+                                      "which continue on the new weights (per-token versions recorded); false: "
+                                      "in-flight samples finish on the weights they started with.")
 
 
 class AlgorithmSection(_Section):
@@ -113,6 +121,16 @@ class AlgorithmSection(_Section):
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c for negative advantages.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient in the loss (0: no reference pass).")
     kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    prox_logp: Literal["recompute", "loglinear", "linear", "metrics"] = Field(
+        "loglinear", description="async (decoupled PPO): proximal log-probs by an extra forward pass (recompute), "
+        "A-3PO interpolation (loglinear), probability-space interpolation (linear), or recompute while logging "
+        "both approximations' errors (metrics).")
+    is_cap: float | None = Field(5.0, gt=0.0, description="async: cap of the importance weight pi_prox/pi_b "
+                                 "(null: no cap).")
+    is_mode: Literal["cap", "mask"] = Field("cap", description="async: truncate weights above is_cap, or mask "
+                                            "those tokens out.")
+    is_level: Literal["token", "sequence", "geometric"] = Field("token", description="async: importance weight "
+                                                                "per token, per sequence, or geometric mean.")
 
 
 class TrainerSection(_Section):
@@ -127,6 +145,9 @@ class TrainerSection(_Section):
 class TrainSection(_Section):
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one packed micro-batch.")
     shared_prompt: bool = Field(True, description="Pack [prompt, r1..rG] once per group (False: one row per sample).")
+    attention: Literal["auto", "sdpa", "eager", "flex_attention"] = Field(
+        "auto", description="Trainer attention kernel. auto: FlexAttention block masks on CUDA where torch has them "
+        "(responses' blocks that see no other response are skipped), SDPA with a dense boolean mask otherwise.")
 
 
 class PipelineSection(_Section):
@@ -177,12 +198,14 @@ class Config(_Section):
     def _cross_field(self):
         if self.pipeline.mode != "async" and self.pipeline.max_staleness != 0:
             raise ValueError("pipeline.max_staleness applies to mode 'async' only; set it to 0 or use mode: async")
-        if self.pipeline.mode == "async":
-            raise ValueError("pipeline.mode 'async' is not available yet; use 'periodic' or 'sync'")
+        if self.rollout.interrupt_on_update and self.pipeline.mode != "async":
+            raise ValueError("rollout.interrupt_on_update applies to mode 'async' only (in sync and periodic modes "
+                             "weights never change during generation); set it to false or use mode: async")
         if self.task.kind == "dataset" and self.task.dataset is None:
             raise ValueError("task.kind 'dataset' needs a task.dataset section with at least `uri`")
-        if self.rollout.engine == "vllm":
-            raise ValueError("rollout.engine 'vllm' is not available yet; use 'builtin'")
+        if self.rollout.engine == "vllm" and self.rollout.interrupt_on_update:
+            raise ValueError("rollout.interrupt_on_update needs rollout.engine 'builtin': vLLM's offline API cannot "
+                             "pause a request to swap weights; set interrupt_on_update to false")
         return self
 
 

@@ -27,6 +27,7 @@ from tasks.iteration import (
     plan_task,
     promote_task,
     rollout_task,
+    serve_task,
     train_task,
 )
 from tasks.session import RunSession, open_session, unregister
@@ -46,16 +47,23 @@ def _iteration(s: RunSession, k: int) -> dict:
     t0 = time.perf_counter()
     s.storage_s = 0.0
     tracking_before = s.tracker.seconds
-    plan = plan_task(run_id, k)
-    rollouts = [rollout_task.submit(run_id, k, w) for w in range(s.cfg.resources.rollout_workers)]
+    mode = s.cfg.pipeline.mode
     sync_wait = 0.0
-    if s.cfg.pipeline.mode == "sync":
-        t_wait = time.perf_counter()
-        for f in rollouts:
-            f.wait()
-        sync_wait = time.perf_counter() - t_wait
-    train = train_task(run_id, k, plan["groups"], t0)
-    results = [f.result() for f in rollouts]
+    if mode == "async":  # serving workers run ahead: plan the batch that becomes admissible at this version
+        ahead = k + s.cfg.pipeline.max_staleness
+        plan = plan_task(run_id, ahead) if ahead < s.cfg.run.iterations else {"body_s": 0.0}
+        train = train_task(run_id, k, s.cfg.rollout.prompts_per_iteration, t0)
+        results = _async_rollout_figures(s, k)
+    else:
+        plan = plan_task(run_id, k)
+        rollouts = [rollout_task.submit(run_id, k, w) for w in range(s.cfg.resources.rollout_workers)]
+        if mode == "sync":
+            t_wait = time.perf_counter()
+            for f in rollouts:
+                f.wait()
+            sync_wait = time.perf_counter() - t_wait
+        train = train_task(run_id, k, plan["groups"], t0)
+        results = [f.result() for f in rollouts]
     promoted = promote_task(run_id, k)
     bodies = plan["body_s"] + sync_wait + train["time/train_task_s"] + promoted["body_s"]
 
@@ -64,7 +72,7 @@ def _iteration(s: RunSession, k: int) -> dict:
     # overlap: how much of the shorter phase ran while the other did (1 = fully hidden, 0 = sequential)
     overlap = max(0.0, rollout_busy + train_busy - train["time/train_end_s"])
     gen_tokens = sum(sh["gen_tokens"] for r in results for sh in r["shards"])
-    samples = plan["groups"] * s.cfg.rollout.group_size
+    samples = s.cfg.rollout.prompts_per_iteration * s.cfg.rollout.group_size
     figures = {key: v for key, v in train.items() if key not in ("time/train_end_s", "time/train_task_s")}
     figures.update({
         "time/rollout_busy_s": rollout_busy,
@@ -131,11 +139,17 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             for rec in ledger.read_all(s.lake, s.run_id):
                 if rec["state"] == "promoted" and not rec.get("cataloged"):
                     catalog_task(s.run_id, rec["iteration"], rec["promoted_version"])
+        serving = []
+        if cfg.pipeline.mode == "async":  # workers serve for the whole run; batches up to k + max_staleness planned
+            serving = [serve_task.submit(s.run_id, w) for w in range(cfg.resources.rollout_workers)]
+            for j in range(start_iteration, min(cfg.run.iterations, start_iteration + cfg.pipeline.max_staleness)):
+                plan_task(s.run_id, j)
         for k in range(start_iteration, cfg.run.iterations):
             try:
                 fig = _iteration(s, k)
             except Exception as e:  # the previous promoted checkpoint stays; resume restarts this iteration
                 _fail_iteration(s, k, e)
+                _stop_serving(s, serving)
                 raise
             history.append(fig)
             progress_hook({"event": "iteration", "iteration": k, **fig})
@@ -146,6 +160,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
                 indexing.append(catalog_task.submit(s.run_id, k, s.version))
             if cfg.tracking.prefect_artifacts:
                 indexing.append(markdown_report_task.submit(s.run_id, k, fig))
+        _stop_serving(s, serving)
         for f in indexing or []:
             f.result()
         acc_final = evaluate_task(s.run_id)
@@ -178,10 +193,35 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         unregister(s.run_id)
 
 
+def _async_rollout_figures(s: RunSession, k: int) -> list[dict]:
+    """Per-worker generation figures of the shards trained in iteration k (async: generated whenever admitted)."""
+    rec = ledger.read_record(s.lake, s.run_id, k)
+    per_worker: dict[int, dict] = {}
+    for sh in rec["shards"]:
+        info = s.shard_info.pop(sh["path"], None)
+        if info is None:  # a shard generated before a resume: no timing figures
+            continue
+        w = per_worker.setdefault(info["worker"], {"busy_s": 0.0, "storage_s": 0.0, "load_s": 0.0, "shards": []})
+        w["busy_s"] += info["gen_s"]
+        w["storage_s"] += info["storage_s"]
+        w["shards"].append(info)
+    return list(per_worker.values()) or [{"busy_s": 0.0, "storage_s": 0.0, "load_s": 0.0, "shards": []}]
+
+
 def _fail_iteration(s: RunSession, k: int, error: BaseException) -> None:
     rec = ledger.read_record(s.lake, s.run_id, k)
     if rec is not None and rec["state"] not in ("promoted", "failed"):
         ledger.write_record(s.lake, s.run_id, k, "failed", reason=f"{type(error).__name__}: {error}"[:2000])
+
+
+def _stop_serving(s: RunSession, serving: list) -> None:
+    """End the async workers' serving loop (they stay alive for the session) and wait for their tasks."""
+    if not serving:
+        return
+    s.pool.stop_serving()
+    for f in serving:
+        f.wait()
+    serving.clear()
 
 
 def _settle_ledger(s: RunSession) -> None:

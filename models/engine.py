@@ -9,6 +9,7 @@ it or on what else was in its batch (the batch composition itself is fixed by th
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ class Sample:
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS emitted, included in response_ids) or "length"
     seed: int
+    token_versions: list[int] = field(default_factory=list)  # the policy version that produced each token
 
 
 @dataclass
@@ -54,6 +56,24 @@ def _sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
     return logp
 
 
+def _prefill(model: torch.nn.Module, seqs: list[list[int]], pad_token_id: int, device):
+    """Left-padded prefill of `seqs` (one row each): (cache, last-position logits (n, V), attention mask, next pos)."""
+    width = max(len(p) for p in seqs)
+    n = len(seqs)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long, device=device)  # (n, P) left-padded
+    attn = torch.zeros((n, width), dtype=torch.long, device=device)
+    for i, p in enumerate(seqs):
+        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attn[i, width - len(p) :] = 1
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (n, P)
+    cache = DynamicCache()
+    out = model(
+        input_ids=input_ids, attention_mask=attn, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+    )
+    next_pos = torch.tensor([len(p) for p in seqs], device=device)
+    return cache, out.logits[:, -1, :], attn, next_pos
+
+
 @torch.no_grad()
 def generate_groups(
     model: torch.nn.Module,
@@ -63,11 +83,18 @@ def generate_groups(
     seeds: list[list[int]],
     eos_token_id: int,
     pad_token_id: int,
+    version: int = 0,
+    poll_update: Callable[[], int | None] | None = None,
 ) -> list[list[Sample]]:
     """Generate `group_size` samples for each prompt; returns one list of samples per prompt.
 
     The prompts are left-padded into one batch and prefilled once (one row per prompt); the cache is then
     repeated G times so the G samples of a group share the prompt's KV. seeds[i][j] seeds sample j of prompt i.
+
+    Interruptible generation (async mode): `poll_update()`, called before every decoding step, may load new
+    weights into `model` and return their version (None: no change). The samples then continue on the new
+    weights: the KV cache of prompt + tokens so far is recomputed with them (a cache from the old weights would
+    mix two policies inside one distribution), and every token records the version that produced it.
     """
     if not prompts:
         return []
@@ -77,24 +104,12 @@ def generate_groups(
         raise ValueError(f"seeds must be {len(prompts)} lists of {group_size} seeds")
     device = next(model.parameters()).device
     n, G = len(prompts), group_size
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long, device=device)  # (n, P) left-padded
-    attn = torch.zeros((n, width), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attn[i, width - len(p) :] = 1
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (n, P)
-
-    cache = DynamicCache()
-    out = model(
-        input_ids=input_ids, attention_mask=attn, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
-    )
-    logits = out.logits[:, -1, :]  # (n, V)
+    cache, logits, attn, next_pos = _prefill(model, prompts, pad_token_id, device)  # (n, V)
     if G > 1:
         cache.batch_repeat_interleave(G)
         logits = logits.repeat_interleave(G, dim=0)  # (n*G, V)
         attn = attn.repeat_interleave(G, dim=0)
-    next_pos = torch.tensor([len(p) for p in prompts], device=device).repeat_interleave(G)  # (n*G,)
+        next_pos = next_pos.repeat_interleave(G)  # (n*G,)
 
     N = n * G
     flat_seeds = [s for row in seeds for s in row]
@@ -102,9 +117,17 @@ def generate_groups(
     stop_ids = {eos_token_id} | ({params.stop_on_newline_id} if params.stop_on_newline_id is not None else set())
     tokens: list[list[int]] = [[] for _ in range(N)]
     logps: list[list[float]] = [[] for _ in range(N)]
+    versions: list[list[int]] = [[] for _ in range(N)]
     done = [False] * N
     reasons = ["length"] * N
-    for _ in range(params.max_new_tokens):
+    for step in range(params.max_new_tokens):
+        if step > 0 and poll_update is not None:
+            new_version = poll_update()
+            if new_version is not None and new_version != version:
+                version = new_version
+                cache, logits, attn, next_pos = _prefill(
+                    model, [prompts[r // G] + tokens[r] for r in range(N)], pad_token_id, device
+                )
         if params.greedy:
             logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
             chosen = logp.argmax(dim=-1)  # (N,)
@@ -126,6 +149,7 @@ def generate_groups(
                 continue
             tokens[r].append(ids[r])
             logps[r].append(lps[r])
+            versions[r].append(version)
             if ids[r] in stop_ids:
                 done[r] = True
                 reasons[r] = "stop"
@@ -147,6 +171,6 @@ def generate_groups(
         group = []
         for j in range(G):
             r = i * G + j
-            group.append(Sample(tokens[r], logps[r], reasons[r], flat_seeds[r]))
+            group.append(Sample(tokens[r], logps[r], reasons[r], flat_seeds[r], versions[r]))
         results.append(group)
     return results

@@ -32,6 +32,7 @@ class Packed:
     gather_pos: torch.Tensor  # (S, T)
     targets: torch.Tensor  # (S, T) response token ids, pad where mask is 0
     mask: torch.Tensor  # (S, T) float, 1 on real response tokens
+    segments: torch.Tensor | None = None  # shared: (rows, L) -1 padding, 0 prompt, j+1 response j (FlexAttention)
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +80,7 @@ def pack_shared(groups: list[Group], pad_id: int) -> Packed:
     input_ids = torch.full((n, L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((n, L), dtype=torch.long)
     allowed = torch.zeros((n, 1, L, L), dtype=torch.bool)
+    segments = torch.full((n, L), -1, dtype=torch.long)
     gather_row = torch.zeros(S, dtype=torch.long)
     gather_pos = torch.zeros((S, T), dtype=torch.long)
     causal = torch.ones((L, L), dtype=torch.bool).tril()
@@ -88,8 +90,9 @@ def pack_shared(groups: list[Group], pad_id: int) -> Packed:
         input_ids[gi, :P] = torch.tensor(g.prompt_ids, dtype=torch.long)
         position_ids[gi, :P] = torch.arange(P)
         allowed[gi, 0, :P, :P] = causal[:P, :P]
+        segments[gi, :P] = 0
         start = P
-        for r in g.responses:
+        for j, r in enumerate(g.responses):
             R = len(r)
             end = start + R
             if R:
@@ -97,6 +100,7 @@ def pack_shared(groups: list[Group], pad_id: int) -> Packed:
                 position_ids[gi, start:end] = torch.arange(P, P + R)
                 allowed[gi, 0, start:end, :P] = True  # the prompt
                 allowed[gi, 0, start:end, start:end] = causal[:R, :R]  # its own causal past
+                segments[gi, start:end] = j + 1
                 # token 0 is predicted by the prompt's last position, token t>0 by response position t-1
                 gather_pos[s, 0] = P - 1
                 gather_pos[s, 1:R] = torch.arange(start, end - 1)
@@ -106,7 +110,29 @@ def pack_shared(groups: list[Group], pad_id: int) -> Packed:
         # padding rows attend to themselves only, so softmax never sees an empty row
         idx = torch.arange(lengths[gi], L)
         allowed[gi, 0, idx, idx] = True
-    return Packed(input_ids, position_ids, allowed, gather_row, gather_pos, targets, mask)
+    return Packed(input_ids, position_ids, allowed, gather_row, gather_pos, targets, mask, segments)
+
+
+def shared_mask_mod(segments: torch.Tensor):
+    """The shared layout's attention rule as a FlexAttention mask_mod over segment ids (no L x L tensor): a token
+    sees earlier-or-same positions of its own segment and of the prompt (segment 0); padding sees itself only."""
+
+    def mask_mod(b, h, q, kv):
+        sq, skv = segments[b, q], segments[b, kv]
+        return ((kv <= q) & (skv >= 0) & (sq >= 0) & ((skv == sq) | (skv == 0))) | (q == kv)
+
+    return mask_mod
+
+
+def flex_block_mask(packed: Packed, device):
+    """A FlexAttention BlockMask of the shared layout: blocks where no response sees another are skipped."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if packed.segments is None:
+        raise ValueError("flex_block_mask needs the shared layout (pack_shared)")
+    seg = packed.segments.to(device)
+    rows, L = seg.shape
+    return create_block_mask(shared_mask_mod(seg), B=rows, H=None, Q_LEN=L, KV_LEN=L, device=device)
 
 
 def token_costs(groups: list[Group]) -> tuple[int, int]:
@@ -151,8 +177,9 @@ def _dense_mask_for(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tens
             ~allowed, torch.finfo(dtype).min
         )
     raise ValueError(
-        f"the shared-prompt layout needs a dense attention mask, which attn_implementation={impl!r} does not take; "
-        "load the model with attn_implementation='sdpa' (or 'eager'), or set train.shared_prompt=false"
+        f"the shared-prompt layout needs a dense attention mask or a FlexAttention block mask, which "
+        f"attn_implementation={impl!r} does not take; use 'flex_attention', 'sdpa' or 'eager', or set "
+        "train.shared_prompt=false"
     )
 
 
@@ -161,7 +188,8 @@ def packed_logits(model: torch.nn.Module, packed: Packed) -> torch.Tensor:
     device = next(model.parameters()).device
     attn = packed.attention_mask.to(device)
     if attn.dim() == 4:
-        attn = _dense_mask_for(model, attn)
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        attn = flex_block_mask(packed, device) if impl == "flex_attention" else _dense_mask_for(model, attn)
     out = model(
         input_ids=packed.input_ids.to(device),
         attention_mask=attn,

@@ -42,6 +42,12 @@ class LossSettings:
     kl_kind: objectives.KLKind = "k3"
     temperature: float = 1.0
     norm_len: int | None = None  # constant normaliser for seq-mean-token-sum-norm (the max response length)
+    # off-policy (async) batches: decoupled PPO with a proximal policy (DESIGN.md, A-3PO)
+    decoupled: bool = False
+    prox_logp: str = "loglinear"  # recompute | loglinear | linear | metrics (trains on recompute, logs the errors)
+    is_cap: float | None = 5.0
+    is_mode: objectives.ISMode = "cap"
+    is_level: objectives.ISLevel = "token"
 
 
 class PolicyTrainer:
@@ -83,8 +89,14 @@ class PolicyTrainer:
     def pending_samples(self) -> int:
         return self._samples
 
-    def micro_step(self, groups: list[RolloutGroup]) -> dict[str, float]:
-        """Forward + backward of the loss numerator on one micro-batch of whole groups; returns its figures."""
+    def micro_step(self, groups: list[RolloutGroup], version: int = 0) -> dict[str, float]:
+        """Forward + backward of the loss numerator on one micro-batch of whole groups; returns its figures.
+
+        `version` is the trainer's policy version (the staleness of a token is version - its token version); it
+        matters only to the decoupled loss. With `prox_logp: recompute` (or `metrics`) the proximal log-probs come
+        from an extra no-grad forward pass of the current weights - decoupled PPO's proximal pass; with one
+        optimizer step per batch those weights are the batch's proximal policy, so that pass reproduces the
+        policy log-probs detached. `loglinear` / `linear` (A-3PO) interpolate them without that pass."""
         if not groups:
             raise ValueError("micro_step needs at least one group")
         self.model.train()
@@ -105,6 +117,10 @@ class PolicyTrainer:
         flat_beh = [lp for g in groups for lp in g.behavior_logprobs]
         for i, lp in enumerate(flat_beh):
             behavior[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        token_versions = torch.full((S, T), version, dtype=torch.long)
+        if s.decoupled:
+            for i, tv in enumerate(tv for g in groups for tv in g.token_versions):
+                token_versions[i, : len(tv)] = torch.tensor(tv, dtype=torch.long)
 
         ref_logp = None
         if s.kl_coef > 0:
@@ -113,10 +129,13 @@ class PolicyTrainer:
                 ref_logp = token_logprobs(packed_logits(self.ref_model, packed), packed.targets, s.temperature)
         logits = packed_logits(self.model, packed)  # (S, T, V)
         logp = token_logprobs(logits, packed.targets, s.temperature)  # (S, T) with grad
-        old_logp = logp.detach()  # on-policy: one optimizer step per batch, ratio exactly 1
-        per_token, metrics = objectives.policy_loss(
-            logp, old_logp, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip
-        )
+        if s.decoupled:
+            per_token, metrics = self._decoupled_loss(packed, logp, behavior, token_versions, version, adv, mask)
+        else:
+            old_logp = logp.detach()  # on-policy: one optimizer step per batch, ratio exactly 1
+            per_token, metrics = objectives.policy_loss(
+                logp, old_logp, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip
+            )
         kl = None
         if ref_logp is not None:
             kl = objectives.kl_divergence(logp, ref_logp, kind=s.kl_kind)  # (S, T)
@@ -137,13 +156,46 @@ class PolicyTrainer:
             self._sums["loss_numerator"] += float(numerator)
             self._sums["entropy/mean"] += float(entropy) * ntok
             self._sums["mismatch/logp_abs"] += float(mismatch) * ntok
-            self._sums["clip/fraction"] += metrics.get("clip/fraction", 0.0) * ntok
+            for key in ("clip/fraction", "clip/low_fraction", "clip/high_fraction", "is_weight/mean",
+                        "is_weight/capped_fraction", *(k for k in metrics if k.startswith("prox/"))):
+                if key in metrics:
+                    self._sums[key] += metrics[key] * ntok
+            if "is_weight/max" in metrics:
+                self._maxes["is_weight/max"] = max(self._maxes.get("is_weight/max", 0.0), metrics["is_weight/max"])
             self._sums["adv/zero_groups"] += zero_groups
             self._sums["train/shared_fallbacks"] += float(self.shared_prompt and not shared)
             self._sums["train/micro_batches"] += 1.0
             if kl is not None:
                 self._sums["kl/mean"] += float(objectives.masked_mean(kl.detach(), mask)) * ntok
         return {"tokens": ntok, "samples": S}
+
+    def _decoupled_loss(self, packed, logp, behavior, token_versions, version, adv, mask):
+        """Decoupled PPO on an off-policy micro-batch; the proximal log-probs by the configured method (timed)."""
+        import time
+
+        s = self.loss
+        t0 = time.perf_counter()
+        recomputed = None
+        if s.prox_logp in ("recompute", "metrics"):
+            with torch.no_grad():
+                recomputed = token_logprobs(packed_logits(self.model, packed), packed.targets, s.temperature)
+        kind = "recompute" if s.prox_logp == "metrics" else s.prox_logp
+        prox, prox_metrics = objectives.proximal_logprobs(behavior, logp, token_versions, version, mask, kind,
+                                                          recomputed)
+        self._sums["time/prox_s"] += time.perf_counter() - t0
+        extra: dict[str, float] = {}
+        if s.prox_logp == "metrics":  # how far each approximation lands from the recomputed proximal policy
+            for approx in ("loglinear", "linear"):
+                _, m = objectives.proximal_logprobs(behavior, logp, token_versions, version, mask, approx, recomputed)
+                extra.update({f"prox/{approx}/{k[5:]}": v for k, v in m.items() if k.startswith("prox/")
+                              and k != "prox/alpha_mean"})
+        per_token, metrics = objectives.decoupled_policy_loss(
+            logp, prox, behavior, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip,
+            is_cap=s.is_cap, is_mode=s.is_mode, is_level=s.is_level,
+        )
+        metrics.update(extra)
+        metrics["prox/alpha_mean"] = prox_metrics["prox/alpha_mean"]
+        return per_token, metrics
 
     def optimizer_step(self) -> dict[str, float]:
         """Scale the accumulated gradient by 1/denominator, clip, step; returns the batch's figures."""
@@ -168,6 +220,8 @@ class PolicyTrainer:
             "entropy/mean": self._sums["entropy/mean"] / tok,
             "mismatch/logp_abs": self._sums["mismatch/logp_abs"] / tok,
             "clip/fraction": self._sums["clip/fraction"] / tok,
+            "clip/low_fraction": self._sums["clip/low_fraction"] / tok,
+            "clip/high_fraction": self._sums["clip/high_fraction"] / tok,
             "grad/norm": float(grad_norm),
             "train/tokens": self._tokens,
             "train/samples": float(self._samples),
@@ -177,5 +231,11 @@ class PolicyTrainer:
         }
         if self.loss.kl_coef > 0:
             figures["kl/mean"] = self._sums["kl/mean"] / tok
+        if self.loss.decoupled:
+            figures["is_weight/mean"] = self._sums["is_weight/mean"] / tok
+            figures["is_weight/max"] = self._maxes.get("is_weight/max", 1.0)
+            figures["is_weight/capped_fraction"] = self._sums["is_weight/capped_fraction"] / tok
+            figures["time/prox_s"] = self._sums["time/prox_s"]
+            figures.update({k: v / tok for k, v in self._sums.items() if k.startswith("prox/")})
         self._reset_accumulators()
         return figures

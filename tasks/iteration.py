@@ -38,7 +38,8 @@ def plan_task(run_id: str, iteration: int) -> dict:
             ledger.write_record(s.lake, run_id, iteration, "failed", reason="interrupted before promotion; resumed")
         reused, quarantined = _valid_chunks(s, run_id, iteration)
         chunks = [c for c in chunks if c.index not in reused]
-    ledger.write_record(s.lake, run_id, iteration, "planned", policy_version=s.version, prompt_ids=prompt_ids,
+    ledger.write_record(s.lake, run_id, iteration, "planned", policy_version=iteration, planned_at_version=s.version,
+                        prompt_ids=prompt_ids,
                         chunks=len(chunks) + len(reused), reused_chunks=reused, quarantined=quarantined,
                         group_size=s.cfg.rollout.group_size)
     s.pool.enqueue(chunks)
@@ -49,15 +50,26 @@ def plan_task(run_id: str, iteration: int) -> dict:
     return {"groups": len(prompt_ids), "chunks": len(chunks), "version": s.version, "body_s": body}
 
 
+def list_shards(s, run_id: str, iteration: int) -> list[str]:
+    """The shard paths of an iteration published so far (the watcher's listing; caches invalidated first).
+
+    Sync / periodic: every shard of iteration k is under policy_version=k. Async: a batch's chunks start on
+    several versions, so every `policy_version=*` folder is listed."""
+    fs = s.lake.fs
+    if s.cfg.pipeline.mode == "async":
+        root = f"{s.lake.run_dir(run_id)}/rollouts"
+        fs.invalidate_cache(root)
+        return sorted(fs.glob(f"{root}/policy_version=*/iter-{iteration:06d}/*.arrow"))
+    prefix = s.lake.iteration_rollouts(run_id, s.version, iteration)
+    fs.invalidate_cache(prefix)
+    return sorted(p for p in (fs.ls(prefix, detail=False) if fs.exists(prefix) else []) if p.endswith(".arrow"))
+
+
 def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]:
     """Chunk indices whose shard exists and passes its checksum; damaged shards are moved to quarantine/."""
-    prefix = s.lake.iteration_rollouts(run_id, s.version, iteration)
     fs = s.lake.fs
-    fs.invalidate_cache(prefix)
-    if not fs.exists(prefix):
-        return [], []
     valid, quarantined = [], []
-    for path in sorted(p for p in fs.ls(prefix, detail=False) if p.endswith(".arrow")):
+    for path in list_shards(s, run_id, iteration):
         try:
             read_shard(s.lake, path)
             valid.append(int(path.rsplit("-", 1)[-1].split(".")[0]))
@@ -74,6 +86,16 @@ def rollout_task(run_id: str, iteration: int, worker: int) -> dict:
     """One rollout worker drains the iteration's chunk queue; returns its shards and busy time."""
     s = session(run_id)
     return s.pool.run(worker, s.version, s.lake.checkpoint_dir(run_id, s.version))
+
+
+@task(name="rollout-serve", cache_policy=NO_CACHE)
+def serve_task(run_id: str, worker: int) -> dict:
+    """Async mode: one rollout worker generates the planned chunks continuously for the whole run, under
+    admission control (`pipeline.max_staleness`), loading each promoted version as it is announced."""
+    s = session(run_id)
+    c = s.cfg
+    return s.pool.serve(worker, s.version, s.lake.checkpoint_dir(run_id, s.version), c.pipeline.max_staleness,
+                        c.rollout.interrupt_on_update, on_shard=lambda info: s.shard_info.__setitem__(info["path"], info))
 
 
 def groups_of(table, group_size: int | None = None) -> list[RolloutGroup]:
@@ -119,8 +141,7 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
     """Stream the iteration's shards as they land, micro-step on each, one optimizer step at the end."""
     s = session(run_id)
     t_task = time.perf_counter()
-    fs = s.lake.fs
-    prefix = s.lake.iteration_rollouts(run_id, s.version, iteration)
+    max_staleness = s.cfg.pipeline.max_staleness if s.cfg.pipeline.mode == "async" else 0
     seen: set[str] = set()
     shards: list[dict] = []
     groups_done = 0
@@ -130,9 +151,7 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
     staleness: list[int] = []
     while groups_done < expected_groups:
         t0 = time.perf_counter()
-        fs.invalidate_cache(prefix)
-        paths = sorted(p for p in (fs.ls(prefix, detail=False) if fs.exists(prefix) else []) if p.endswith(".arrow"))
-        new = [p for p in paths if p not in seen]
+        new = [p for p in list_shards(s, run_id, iteration) if p not in seen]
         if not new:
             if not s.pool.alive():
                 raise WorkerError(s.pool.failed or "a rollout worker died")
@@ -152,8 +171,11 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             for g in groups:
                 rewards.extend(g.rewards)
                 staleness.extend(s.version - v for tv in g.token_versions for v in tv)
+            if staleness and (max(staleness) > max_staleness or min(staleness) < 0):
+                raise ShardError(f"{path}: tokens {max(staleness)} versions behind the trainer's {s.version} (bound "
+                                 f"{max_staleness}) or ahead of it: admission control or version bookkeeping failed")
             for mb in micro_batches(groups, s.cfg.train.micro_batch_tokens, s.cfg.train.shared_prompt):
-                s.trainer.micro_step(mb)
+                s.trainer.micro_step(mb, s.version)
                 faults.point("mid-train")
             busy += time.perf_counter() - t2
             groups_done += len(groups)
@@ -193,6 +215,8 @@ def promote_task(run_id: str, iteration: int) -> dict:
     checkpoints.promote(s.lake, run_id, new_version)
     faults.point("after-promote")
     s.version = new_version
+    if s.cfg.pipeline.mode == "async":  # serving workers load it between chunks (or decoding steps)
+        s.pool.announce(new_version, s.lake.checkpoint_dir(run_id, new_version))
     ledger.write_record(s.lake, run_id, iteration, "promoted", promoted_version=new_version)
     body = time.perf_counter() - t0
     s.storage_s += body

@@ -47,6 +47,7 @@ class RunSession:
     started_at: float = field(default_factory=time.time)
     storage_s: float = 0.0  # storage time on the critical path of the current iteration
     history: list[dict] = field(default_factory=list)
+    shard_info: dict[str, dict] = field(default_factory=dict)  # async: generation figures per published shard
 
     def close(self) -> None:
         self.pool.close()
@@ -224,13 +225,29 @@ class RunExistsError(RuntimeError):
     pass
 
 
+def attention_kernel(choice: str, device: torch.device) -> str:
+    """The trainer's attention implementation: FlexAttention block masks on CUDA where available, else SDPA."""
+    import importlib.util
+
+    has_flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    if choice == "auto":
+        return "flex_attention" if device.type == "cuda" and has_flex else "sdpa"
+    if choice == "flex_attention" and (device.type == "cpu" or not has_flex):
+        raise ValueError(f"train.attention 'flex_attention' needs a CUDA device and torch with FlexAttention (it has "
+                         f"no backward pass on {device.type}); use train.attention=auto or sdpa")
+    return choice
+
+
 def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> PolicyTrainer:
     """The trainer of a config: the loss settings unpacked into plain arguments (models/ never sees a Config)."""
+    model.set_attn_implementation(attention_kernel(cfg.train.attention, device))
     ref_model = copy.deepcopy(model).requires_grad_(False).to(device) if cfg.algorithm.kl_coef > 0 else None
     a = cfg.algorithm
     loss = LossSettings(advantage=a.advantage, loss_agg=a.loss_agg, clip_low=a.clip_low, clip_high=a.clip_high,
                         dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl_kind,
-                        temperature=cfg.rollout.temperature, norm_len=cfg.rollout.max_new_tokens)
+                        temperature=cfg.rollout.temperature, norm_len=cfg.rollout.max_new_tokens,
+                        decoupled=cfg.pipeline.mode == "async", prox_logp=a.prox_logp, is_cap=a.is_cap,
+                        is_mode=a.is_mode, is_level=a.is_level)
     return PolicyTrainer(model.to(device), ref_model, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
                          betas=(cfg.trainer.beta1, cfg.trainer.beta2), grad_clip=cfg.trainer.grad_clip, loss=loss,
                          pad_token_id=tokenizer.pad_token_id, shared_prompt=cfg.train.shared_prompt)
@@ -239,6 +256,14 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
 def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSession:
     """Create the run (or reopen it with `resume`): frozen config, v0, trainer, rollout workers, MLflow run."""
     run_id = validate_run_id(default_run_id(cfg))
+    if cfg.rollout.engine == "vllm":  # before any work: the extra is optional
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            from models.vllm_engine import INSTALL
+
+            raise RuntimeError(f"rollout.engine is 'vllm' but vLLM is not installed: {INSTALL}; or set "
+                               "rollout.engine=builtin")
     cfg = cfg.model_copy(deep=True)
     cfg.run.run_id = run_id
     lake = Lake(cfg.lake.uri)
@@ -282,6 +307,9 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, partial_credit=cfg.task.partial_credit,
         reward_kind=cfg.task.reward,
         compression=cfg.lake.compression,
+        engine=cfg.rollout.engine,
+        vllm={"dtype": cfg.rollout.vllm_dtype, "gpu_memory_utilization": cfg.rollout.vllm_gpu_memory_utilization,
+              "max_model_len": cfg.rollout.vllm_max_model_len},
         prompts=[(p.prompt_id, p.text, p.answer, i) for p, i in zip(train_prompts, train_ids)],
     )
     pool = WorkerPool(cfg.resources.rollout_workers, spec)

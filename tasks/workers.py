@@ -5,6 +5,11 @@ loads a new policy version only when told to. The iteration's prompts are cut in
 `shard_groups` groups by the plan and put on one shared queue: a worker that finishes early takes the next
 chunk, so a long-tailed chunk does not stall the batch. Each chunk becomes one shard. A chunk's content and
 every sample's seed are fixed by the plan, so which worker makes it never changes a token.
+
+Sync / periodic: a worker drains one iteration's chunks on that iteration's version (`iterate`). Async: a worker
+serves for the whole run (`serve`): it takes chunks of later batches as they are planned, starts a chunk of
+batch j only on a version >= j - max_staleness (admission control), and loads each promoted version as it is
+announced - between chunks, or between decoding steps with `interrupt_on_update`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class WorkerSpec:
     compression: str | None
     reward_kind: str
     prompts: list[tuple[int, str, str, list[int]]] = field(repr=False)  # (prompt_id, text, answer, token ids)
+    engine: str = "builtin"  # builtin | vllm
+    vllm: dict = field(default_factory=dict)  # VLLMEngine keyword arguments
 
 
 @dataclass(frozen=True)
@@ -58,82 +65,196 @@ def _get(q, parent: int):
                 os._exit(0)
 
 
+class _Worker:
+    """The state of one worker process: engine, weights, and the version it holds."""
+
+    def __init__(self, worker_id: int, spec: WorkerSpec, commands, parent: int):
+        import torch
+
+        torch.set_num_threads(spec.threads)
+        from models.engine import SamplingParams
+        from models.tiny import load_hf, single_token_id
+        from storage.lake import Lake
+
+        self.id, self.spec, self.commands, self.parent = worker_id, spec, commands, parent
+        self.lake = Lake(spec.lake_uri)
+        self.vllm = None
+        if spec.engine == "vllm":
+            from transformers import AutoTokenizer
+
+            from models.vllm_engine import VLLMEngine
+
+            self.vllm = VLLMEngine(spec.model_dir, seed=spec.run_seed, **spec.vllm)
+            self.model, self.tokenizer = None, AutoTokenizer.from_pretrained(spec.model_dir)
+        else:
+            self.model, self.tokenizer = load_hf(spec.model_dir)
+            self.model.requires_grad_(False)
+        self.version: int | None = None
+        stop_id = single_token_id(self.tokenizer, "\n")
+        self.params = SamplingParams(spec.max_new_tokens, spec.temperature, spec.top_p, stop_on_newline_id=stop_id)
+        self.prompts = {p[0]: p for p in spec.prompts}
+        self.pending: tuple[int, str] | None = None  # the newest (version, checkpoint) announced, not yet loaded
+        self.load_s = 0.0
+        self.exiting = False  # told to exit while serving
+
+    def load(self, version: int, ckpt_path: str) -> None:
+        from storage import checkpoints
+
+        if version != self.version:
+            t0 = time.perf_counter()
+            if self.vllm is not None:  # vLLM reads a local directory inside its own worker processes
+                import tempfile
+
+                self.vllm.load_checkpoint(checkpoints.local_copy(self.lake, ckpt_path, tempfile.gettempdir()))
+            else:
+                checkpoints.load_into(self.model, checkpoints.load_weights(self.lake, ckpt_path))
+            self.version = version
+            self.load_s += time.perf_counter() - t0
+        if self.pending is not None and self.pending[0] <= version:
+            self.pending = None
+
+    def generate_chunk(self, chunk: Chunk, poll_update=None) -> dict:
+        """Generate the chunk's groups on the weights held now, score them, publish them as one shard."""
+        from models.engine import generate_groups, sample_seed
+        from models.rewards import score
+        from storage.shards import SampleRecord, write_shard
+
+        spec, tok = self.spec, self.tokenizer
+        started_version = self.version
+        t0 = time.perf_counter()
+        ids = [self.prompts[p][3] for p in chunk.prompt_ids]
+        seeds = [[sample_seed(spec.run_seed, chunk.iteration, p, j) for j in range(spec.group_size)]
+                 for p in chunk.prompt_ids]
+        if self.vllm is not None:
+            groups = self.vllm.generate_groups(ids, spec.group_size, self.params, seeds, tok.eos_token_id,
+                                               tok.pad_token_id, version=started_version)
+        else:
+            groups = generate_groups(self.model, ids, spec.group_size, self.params, seeds, tok.eos_token_id,
+                                     tok.pad_token_id, version=started_version, poll_update=poll_update)
+        now = datetime.now(timezone.utc)
+        records = []
+        gen_tokens = 0
+        for pid, group in zip(chunk.prompt_ids, groups):
+            _, text, answer, pids = self.prompts[pid]
+            for j, s in enumerate(group):
+                resp = tok.decode(s.response_ids, skip_special_tokens=True)
+                gen_tokens += len(s.response_ids)
+                records.append(SampleRecord(
+                    run_id=spec.run_id, iteration=chunk.iteration, policy_version=started_version,
+                    group_id=f"{chunk.iteration}-{pid}", prompt_id=pid, sample_index=j, prompt_ids=pids,
+                    response_ids=s.response_ids, behavior_logprobs=s.logprobs, token_versions=s.token_versions,
+                    reward=score(spec.reward_kind, resp, answer, spec.partial_credit), finish_reason=s.finish_reason,
+                    prompt_text=text, response_text=resp, worker=self.id, seed=s.seed, created_at=now,
+                ))
+        t1 = time.perf_counter()
+        path = (f"{self.lake.iteration_rollouts(spec.run_id, started_version, chunk.iteration)}/"
+                f"shard-{self.id}-{chunk.index:05d}.arrow")
+        checksum = write_shard(self.lake, spec.run_id, path, records, compression=spec.compression)
+        t2 = time.perf_counter()
+        return {"path": path, "checksum": checksum, "groups": len(groups), "worker": self.id, "iteration":
+                chunk.iteration, "gen_tokens": gen_tokens, "gen_s": t1 - t0, "storage_s": t2 - t1,
+                "published_at": time.time(), "versions": sorted({v for g in groups for s in g for v in s.token_versions})}
+
+    def iterate(self, version: int, ckpt_path: str, work) -> dict:
+        """Sync / periodic: load `version`, drain the iteration's chunks up to a stop marker."""
+        self.load_s = 0.0
+        self.load(version, ckpt_path)
+        busy = storage_s = 0.0
+        shards = []
+        while True:
+            chunk = _get(work, self.parent)
+            if chunk == _STOP:
+                break
+            if chunk.version != self.version:
+                raise RuntimeError(f"chunk of version {chunk.version} sent to a worker holding {self.version}")
+            info = self.generate_chunk(chunk)
+            busy += info["gen_s"]
+            storage_s += info["storage_s"]
+            shards.append(info)
+        return {"shards": shards, "busy_s": busy, "storage_s": storage_s, "load_s": self.load_s}
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Take announced versions off the command queue (the newest wins); False once told to stop serving."""
+        while True:
+            try:
+                cmd = self.commands.get(timeout=1.0) if block else self.commands.get_nowait()
+            except queue.Empty:
+                if block and os.getppid() != self.parent:
+                    os._exit(0)
+                if block:
+                    continue
+                return True
+            if cmd[0] == "version":
+                if self.pending is None or cmd[1] > self.pending[0]:
+                    self.pending = (cmd[1], cmd[2])
+            elif cmd[0] in ("stop", "exit"):
+                self.exiting = self.exiting or cmd[0] == "exit"
+                return False
+            block = False  # got something: take the rest without waiting
+
+    def serve(self, version: int, ckpt_path: str, max_staleness: int, interrupt: bool, work, results) -> dict:
+        """Async: generate chunks continuously. Admission control: a chunk of iteration j starts only on a version
+        >= j - max_staleness (it is trained at version j), waiting for that version's announcement if needed.
+        New versions are loaded between chunks, or between decoding steps when `interrupt` is on."""
+        self.load_s = 0.0
+        self.load(version, ckpt_path)
+        busy = storage_s = 0.0
+        n_shards = 0
+
+        def poll_update() -> int | None:
+            self._drain_commands(block=False)
+            if self.pending is not None:
+                self.load(*self.pending)
+                return self.version
+            return None
+
+        while True:
+            if not self._drain_commands(block=False):
+                break
+            try:
+                chunk = work.get(timeout=0.05)
+            except queue.Empty:
+                if os.getppid() != self.parent:
+                    os._exit(0)
+                continue
+            if chunk == _STOP:
+                continue
+            if self.pending is not None:
+                self.load(*self.pending)
+            while self.version < chunk.iteration - max_staleness:  # admission control
+                if not self._drain_commands(block=True):
+                    return {"shards": n_shards, "busy_s": busy, "storage_s": storage_s, "load_s": self.load_s,
+                            "abandoned_chunk": chunk.index}
+                if self.pending is not None:
+                    self.load(*self.pending)
+            info = self.generate_chunk(chunk, poll_update if interrupt else None)
+            busy += info["gen_s"]
+            storage_s += info["storage_s"]
+            n_shards += 1
+            results.put(("shard", info))
+        return {"shards": n_shards, "busy_s": busy, "storage_s": storage_s, "load_s": self.load_s}
+
+
 def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, parent: int) -> None:  # in the child
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-
-    torch.set_num_threads(spec.threads)
-    from models.engine import SamplingParams, generate_groups, sample_seed
-    from models.rewards import score
-    from models.tiny import load_hf, single_token_id
-    from storage import checkpoints
-    from storage.lake import Lake
-    from storage.shards import SampleRecord, write_shard
-
     try:
-        lake = Lake(spec.lake_uri)
-        model, tokenizer = load_hf(spec.model_dir)
-        model.requires_grad_(False)
-        loaded_version: int | None = None
-        stop_id = single_token_id(tokenizer, "\n")
-        params = SamplingParams(spec.max_new_tokens, spec.temperature, spec.top_p, stop_on_newline_id=stop_id)
-        prompts = {p[0]: p for p in spec.prompts}
+        w = _Worker(worker_id, spec, commands, parent)
         results.put(("ready", worker_id))
     except BaseException:
         results.put(("error", traceback.format_exc()))
         return
     while True:
         cmd = _get(commands, parent)
-        if cmd[0] == "exit":
-            return
-        _, version, ckpt_path = cmd
         try:
-            t_load = time.perf_counter()
-            if version != loaded_version:
-                checkpoints.load_into(model, checkpoints.load_weights(lake, ckpt_path))
-                loaded_version = version
-            load_s = time.perf_counter() - t_load
-            busy = storage_s = 0.0
-            shards = []
-            while True:
-                chunk = _get(work, parent)
-                if chunk == _STOP:
-                    break
-                if chunk.version != loaded_version:
-                    raise RuntimeError(f"chunk of version {chunk.version} sent to a worker holding {loaded_version}")
-                t0 = time.perf_counter()
-                ids = [prompts[p][3] for p in chunk.prompt_ids]
-                seeds = [[sample_seed(spec.run_seed, chunk.iteration, p, j) for j in range(spec.group_size)]
-                         for p in chunk.prompt_ids]
-                groups = generate_groups(model, ids, spec.group_size, params, seeds,
-                                         tokenizer.eos_token_id, tokenizer.pad_token_id)
-                now = datetime.now(timezone.utc)
-                records = []
-                gen_tokens = 0
-                for pid, group in zip(chunk.prompt_ids, groups):
-                    _, text, answer, pids = prompts[pid]
-                    for j, s in enumerate(group):
-                        resp = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-                        gen_tokens += len(s.response_ids)
-                        records.append(SampleRecord(
-                            run_id=spec.run_id, iteration=chunk.iteration, policy_version=chunk.version,
-                            group_id=f"{chunk.iteration}-{pid}", prompt_id=pid, sample_index=j, prompt_ids=pids,
-                            response_ids=s.response_ids, behavior_logprobs=s.logprobs,
-                            token_versions=[chunk.version] * len(s.response_ids),
-                            reward=score(spec.reward_kind, resp, answer, spec.partial_credit),
-                            finish_reason=s.finish_reason,
-                            prompt_text=text, response_text=resp, worker=worker_id, seed=s.seed, created_at=now,
-                        ))
-                t1 = time.perf_counter()
-                path = (f"{lake.iteration_rollouts(spec.run_id, chunk.version, chunk.iteration)}/"
-                        f"shard-{worker_id}-{chunk.index:05d}.arrow")
-                checksum = write_shard(lake, spec.run_id, path, records, compression=spec.compression)
-                t2 = time.perf_counter()
-                busy += t1 - t0
-                storage_s += t2 - t1
-                shards.append({"path": path, "checksum": checksum, "groups": len(groups), "worker": worker_id,
-                               "gen_tokens": gen_tokens, "gen_s": t1 - t0, "published_at": time.time()})
-            results.put(("done", {"shards": shards, "busy_s": busy, "storage_s": storage_s, "load_s": load_s}))
+            if cmd[0] == "exit":
+                return
+            if cmd[0] == "iterate":
+                results.put(("done", w.iterate(cmd[1], cmd[2], work)))
+            elif cmd[0] == "serve":
+                results.put(("done", w.serve(cmd[1], cmd[2], cmd[3], cmd[4], work, results)))
+                if w.exiting:
+                    return
+            # "version" / "stop" outside serve: nothing to do (the next command names the version)
         except BaseException:
             results.put(("error", traceback.format_exc()))
 
@@ -163,21 +284,7 @@ class WorkerPool:
             self._expect(w, "ready", start_timeout_s)
 
     def _expect(self, w: int, kind: str, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                msg = self.results[w].get(timeout=0.5)
-                break
-            except queue.Empty:
-                if not self.procs[w].is_alive():
-                    self.failed = f"rollout worker {w} died (exit code {self.procs[w].exitcode})"
-                    raise WorkerError(self.failed) from None
-                if time.monotonic() > deadline:
-                    self.failed = f"rollout worker {w} gave no answer within {timeout_s:.0f} s"
-                    raise WorkerError(self.failed) from None
-        if msg[0] == "error":
-            self.failed = f"rollout worker {w} failed:\n{msg[1]}"
-            raise WorkerError(self.failed)
+        msg = self._next(w, timeout_s)
         if msg[0] != kind:
             raise WorkerError(f"rollout worker {w}: expected {kind!r}, got {msg[0]!r}")
         return msg[1]
@@ -193,6 +300,48 @@ class WorkerPool:
         """Have `worker` load `version` (if it holds another) and drain the queue; blocks until it is done."""
         self.commands[worker].put(("iterate", version, checkpoint_path))
         return self._expect(worker, "done", timeout_s)
+
+    def serve(self, worker: int, version: int, checkpoint_path: str, max_staleness: int, interrupt: bool,
+              on_shard=None) -> dict:
+        """Async mode: `worker` generates chunks continuously until `stop_serving`; blocks until then.
+        Each published shard's figures go to `on_shard` as it lands."""
+        self.commands[worker].put(("serve", version, checkpoint_path, max_staleness, interrupt))
+        while True:
+            msg_kind, body = self._next(worker)
+            if msg_kind == "shard":
+                if on_shard is not None:
+                    on_shard(body)
+                continue
+            if msg_kind == "done":
+                return body
+            raise WorkerError(f"rollout worker {worker}: unexpected message {msg_kind!r}")
+
+    def announce(self, version: int, checkpoint_path: str) -> None:
+        """Tell every serving worker that `version` is promoted (it loads it between chunks or decoding steps)."""
+        for q in self.commands:
+            q.put(("version", version, checkpoint_path))
+
+    def stop_serving(self) -> None:
+        for q in self.commands:
+            q.put(("stop",))
+
+    def _next(self, w: int, timeout_s: float = 3600.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = self.results[w].get(timeout=0.5)
+            except queue.Empty:
+                if not self.procs[w].is_alive():
+                    self.failed = f"rollout worker {w} died (exit code {self.procs[w].exitcode})"
+                    raise WorkerError(self.failed) from None
+                if time.monotonic() > deadline:
+                    self.failed = f"rollout worker {w} gave no answer within {timeout_s:.0f} s"
+                    raise WorkerError(self.failed) from None
+                continue
+            if msg[0] == "error":
+                self.failed = f"rollout worker {w} failed:\n{msg[1]}"
+                raise WorkerError(self.failed)
+            return msg
 
     def alive(self) -> bool:
         return self.failed is None and all(p.is_alive() for p in self.procs)

@@ -308,3 +308,35 @@ def test_shared_layout_structure(shape):
                 assert int(packed.input_ids[gi, pos]) == (g.prompt_ids[-1] if t == 0 else r[t - 1])
                 assert int(packed.input_ids[gi, start + t]) == r[t] == int(packed.targets[s, t])
             start, s = end, s + 1
+
+
+# ------------------------------------------------------------------------------------------------ FlexAttention (CUDA path)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_flex_mask_mod_equals_the_dense_mask(case):
+    """The FlexAttention rule over segment ids allows exactly the (query, key) pairs of the dense boolean mask."""
+    packed = pack_shared(_case(case), PAD)
+    rows, _, L, _ = packed.attention_mask.shape
+    mod = packing.shared_mask_mod(packed.segments)
+    b, q, kv = torch.meshgrid(torch.arange(rows), torch.arange(L), torch.arange(L), indexing="ij")
+    assert torch.equal(mod(b, None, q, kv), packed.attention_mask[:, 0])
+
+
+@pytest.mark.parametrize("case", ["padding"])  # several groups, unequal lengths, an empty response, padding
+def test_flex_block_mask_forward_equals_unshared(model, case):
+    """Shared packing through FlexAttention block masks gives the unshared log-probs (forward, no grad: FlexAttention
+    has no backward on CPU, where the dense SDPA mask trains; its backward runs on CUDA). Negative control: a block
+    mask that lets every response see the earlier ones breaks the same bound."""
+    groups = _case(case)
+    shared, unshared = pack_shared(groups, PAD), pack_unshared(groups, PAD)
+    flex = copy.deepcopy(model)
+    flex.set_attn_implementation("flex_attention")
+    with torch.no_grad():
+        ref = _logprobs(model, unshared)
+        _assert_logprobs_close(_logprobs(flex, shared), ref, unshared.mask)
+        leaky = copy.copy(shared)
+        seg = shared.segments.clone()
+        leaky.segments = torch.where(seg > 0, 0, seg)  # every response token counted as prompt: plain causal
+        diff = ((_logprobs(flex, leaky) - ref).abs() * unshared.mask).max()
+    assert diff > 10 * LOGP_ATOL, f"leaky block mask went unnoticed ({float(diff)})"

@@ -285,9 +285,17 @@ def test_cross_field_hidden_size_divisible_by_heads(tmp_path):
     assert "num_heads must divide hidden_size" in load_error(p)
 
 
-def test_unavailable_choices_fail_at_load():
-    assert "pipeline.mode 'async' is not available yet" in load_error(None, ["pipeline.mode=async"])
-    assert "rollout.engine 'vllm' is not available yet" in load_error(None, ["rollout.engine=vllm"])
+def test_interrupt_needs_async():
+    assert "rollout.interrupt_on_update applies to mode 'async' only" in load_error(
+        None, ["rollout.interrupt_on_update=true"])
+    cfg = load_config(None, ["pipeline.mode=async", "pipeline.max_staleness=2", "rollout.interrupt_on_update=true",
+                             "algorithm.prox_logp=metrics"])
+    assert (cfg.pipeline.max_staleness, cfg.rollout.interrupt_on_update, cfg.algorithm.prox_logp) == (2, True, "metrics")
+
+
+def test_vllm_engine_refuses_interruption():
+    assert "rollout.interrupt_on_update needs rollout.engine 'builtin'" in load_error(
+        None, ["rollout.engine=vllm", "pipeline.mode=async", "rollout.interrupt_on_update=true"])
 
 
 def test_validate_assignment_guards_later_edits():
@@ -343,3 +351,31 @@ def test_cli_subprocess_real_exit_code(tmp_path):
     assert "trainer.lrr" in proc.stderr and "Extra inputs are not permitted" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_gpu_config_without_vllm_fails_before_any_work(tmp_path):
+    """The documented GPU config validates here; starting it without vLLM names the install command, and nothing
+    is written to the lake."""
+    import importlib.util
+
+    from tasks.session import open_session
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    cfg = load_config(REPO / "configs" / "qwen2.5-1.5b-gsm8k.yaml", [f"lake.uri={tmp_path / 'lake'}"])
+    assert (cfg.rollout.engine, cfg.trainer.device, cfg.task.reward) == ("vllm", "cuda", "math_verify")
+    with pytest.raises(RuntimeError, match=r"pip install 'lockstep-rl\[cuda\]'"):
+        open_session(cfg)
+    assert not (tmp_path / "lake").exists()
+
+
+def test_attention_kernel_choice():
+    import torch
+
+    from tasks.session import attention_kernel
+
+    assert attention_kernel("auto", torch.device("cpu")) == "sdpa"
+    assert attention_kernel("auto", torch.device("cuda")) == "flex_attention"  # torch 2.13 has FlexAttention
+    assert attention_kernel("eager", torch.device("cpu")) == "eager"
+    with pytest.raises(ValueError, match="no backward pass on cpu"):
+        attention_kernel("flex_attention", torch.device("cpu"))

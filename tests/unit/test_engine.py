@@ -279,3 +279,67 @@ def test_input_validation(model, prompts):
         generate(model, [prompts[0], []], params)
     with pytest.raises(ValueError, match="seeds must be 2 lists of 4 seeds"):
         generate(model, prompts[:2], params, seeds=[[1, 2, 3, 4], [1, 2, 3]])
+
+
+# ------------------------------------------------------------------------------------------------ interruptible generation
+
+
+def _switch_at(step: int, model, new_state: dict | None, version: int):
+    """poll_update that loads `new_state` into `model` just before decoding step `step` (counted from 1)."""
+    calls = {"n": 0}
+
+    def poll():
+        calls["n"] += 1
+        if calls["n"] == step:
+            if new_state is not None:
+                model.load_state_dict(new_state)
+            return version
+        return None
+
+    return poll
+
+
+def test_interrupt_with_unchanged_weights_changes_nothing_but_versions(model, prompts):
+    """Recomputing the KV cache of prompt + tokens so far on identical weights must continue every sample exactly
+    as an uninterrupted run does: same tokens, log-probs equal to 1e-5; versions switch at the interruption."""
+    params = SamplingParams(max_new_tokens=8)
+    base = generate(model, prompts, params)
+    seeds = seeds_for(list(range(len(prompts))))
+    got = generate_groups(model, prompts, G, params, seeds, EOS, PAD, version=3, poll_update=_switch_at(3, model, None, 4))
+    for gb, gg in zip(base, got, strict=True):
+        for sb, sg in zip(gb, gg, strict=True):
+            assert sg.response_ids == sb.response_ids
+            assert max(abs(a - b) for a, b in zip(sg.logprobs, sb.logprobs)) <= 1e-5
+            n = len(sg.response_ids)
+            assert sg.token_versions == ([3] * min(3, n) + [4] * max(0, n - 3))
+    assert all(s.token_versions == [0] * len(s.response_ids) for g in base for s in g)
+
+
+def test_interrupt_continues_on_the_new_weights(model, prompts):
+    """After a weight update mid-generation, every later token's log-prob is the new policy's (recomputed by the
+    trainer's packed forward on the new weights), every earlier one the old policy's; the earlier tokens are those
+    an uninterrupted run on the old weights produces."""
+    params = SamplingParams(max_new_tokens=8)
+    old_state = {k: v.clone() for k, v in model.state_dict().items()}
+    new_state = {k: v.clone() for k, v in old_state.items()}
+    new_state["model.norm.weight"] = new_state["model.norm.weight"] * 0.7
+    base = generate(model, prompts, params)
+    seeds = seeds_for(list(range(len(prompts))))
+    got = generate_groups(model, prompts, G, params, seeds, EOS, PAD, version=0,
+                          poll_update=_switch_at(4, model, new_state, 1))
+    logits_new, targets, mask = recompute(model, prompts, got, shared=True)  # model now holds the new weights
+    model.load_state_dict(old_state)
+    logits_old, _, _ = recompute(model, prompts, got, shared=True)
+    engine = stored(got)
+    versions = torch.zeros_like(mask)
+    for i, s in enumerate(s for g in got for s in g):
+        versions[i, : len(s.token_versions)] = torch.tensor(s.token_versions, dtype=torch.float32)
+    new_tok, old_tok = mask * (versions == 1), mask * (versions == 0)
+    assert new_tok.sum() > 0 and old_tok.sum() > 0
+    assert max_masked_diff(engine, token_logprobs(logits_new, targets), new_tok) <= 1e-4
+    assert max_masked_diff(engine, token_logprobs(logits_old, targets), old_tok) <= 1e-4
+    # negative control: the post-update tokens are not the old policy's
+    assert max_masked_diff(engine, token_logprobs(logits_old, targets), new_tok) > 1e-2
+    for gb, gg in zip(base, got, strict=True):
+        for sb, sg in zip(gb, gg, strict=True):
+            assert sg.response_ids[:3] == sb.response_ids[:3]

@@ -120,3 +120,77 @@ def test_shared_fallback_counter(models):
     off.micro_step(_groups(1, 8, 64, seed=2))
     assert log.calls[-1][1:] == (False, 8)
     assert off.optimizer_step()["train/shared_fallbacks"] == 0.0
+
+
+# ------------------------------------------------------------------------------------------------ decoupled PPO (async)
+
+
+def _stale_groups(policy: torch.nn.Module, token_version: int, noise: float, seed: int) -> list[RolloutGroup]:
+    """Groups whose behaviour log-probs are the policy's own plus noise (an older policy), all tokens of one version."""
+    from models.packing import Group, pack, packed_logits, token_logprobs
+
+    groups = _groups(2, 4, 12, seed=seed)
+    packed = pack([Group(g.prompt_ids, g.responses) for g in groups], PAD, False)
+    with torch.no_grad():
+        lp = token_logprobs(packed_logits(policy, packed), packed.targets)
+    gen = torch.Generator().manual_seed(seed)
+    rows = iter(range(lp.shape[0]))
+    for g in groups:
+        for j, r in enumerate(g.responses):
+            i = next(rows)
+            g.behavior_logprobs[j] = (lp[i, : len(r)] + noise * torch.randn(len(r), generator=gen)).tolist()
+            g.token_versions[j] = [token_version] * len(r)
+    return groups
+
+
+@pytest.mark.parametrize("prox", ["recompute", "metrics", "loglinear", "linear"])
+def test_decoupled_forward_count_and_proximal_values(models, monkeypatch, prox):
+    """recompute / metrics: one extra no-grad policy pass per micro-step, whose log-probs equal the grad pass's
+    (one optimizer step per batch: the current weights are the proximal policy); loglinear / linear: no extra pass,
+    and at staleness d=2 (alpha=1/2) log pi_prox lies halfway between behaviour and current in log space (loglinear)."""
+    policy, _ = models
+    groups = _stale_groups(policy, token_version=1, noise=0.3, seed=4)
+    log = ForwardLog(policy)
+    seen = []
+    real = objectives.proximal_logprobs
+
+    def spy(behavior, current, versions, version, mask, kind, recomputed=None):
+        out = real(behavior, current, versions, version, mask, kind, recomputed)
+        seen.append((kind, behavior, current.detach(), recomputed, mask.bool(), out[0]))
+        return out
+
+    monkeypatch.setattr(objectives, "proximal_logprobs", spy)
+    trainer = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD,
+                            loss=LossSettings(decoupled=True, prox_logp=prox, is_cap=None))
+    trainer.micro_step(groups, version=3)
+    assert len(log.calls) == (2 if prox in ("recompute", "metrics") else 1)
+    assert [grad for grad, _, _ in log.calls] == ([True, False] if len(log.calls) == 2 else [True])
+    kind, b, cur, rec, m, out = seen[0]
+    if prox in ("recompute", "metrics"):
+        assert kind == "recompute" and rec is not None
+        assert float((rec - cur).abs()[m].max()) <= 1e-6
+        assert torch.equal(out[m], rec[m])
+    if prox == "loglinear":
+        assert torch.allclose(out[m], (b + 0.5 * (cur - b))[m], atol=1e-6)
+    figures = trainer.optimizer_step()
+    assert figures["is_weight/max"] >= figures["is_weight/mean"] > 0
+    assert figures["time/prox_s"] > 0
+    if prox == "metrics":  # both approximations' errors against the recomputed pass are logged, and not zero
+        assert [s[0] for s in seen] == ["recompute", "loglinear", "linear"]
+        assert figures["prox/loglinear/abs_err"] > 1e-3 and figures["prox/linear/abs_err"] > 1e-3
+    else:
+        assert not any(k.startswith(("prox/loglinear", "prox/linear")) for k in figures)
+
+
+def test_metrics_mode_trains_exactly_like_recompute(models):
+    policy, _ = models
+    import copy
+
+    grads = {}
+    for prox in ("recompute", "metrics", "loglinear"):
+        p = copy.deepcopy(policy)
+        trainer = PolicyTrainer(p, None, lr=1e-2, pad_token_id=PAD, loss=LossSettings(decoupled=True, prox_logp=prox))
+        trainer.micro_step(_stale_groups(policy, token_version=0, noise=1.0, seed=5), version=4)
+        grads[prox] = torch.cat([q.grad.flatten() for q in p.parameters() if q.grad is not None])
+    assert torch.equal(grads["recompute"], grads["metrics"])
+    assert not torch.allclose(grads["recompute"], grads["loglinear"], rtol=1e-3)  # the approximation is not exact
