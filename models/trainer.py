@@ -11,6 +11,7 @@ equals the whole-batch loss gradient whatever the split or the order of arrival 
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -117,8 +118,9 @@ class PolicyTrainer:
         flat_beh = [lp for g in groups for lp in g.behavior_logprobs]
         for i, lp in enumerate(flat_beh):
             behavior[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        token_versions = torch.full((S, T), version, dtype=torch.long)
+        token_versions = None
         if s.decoupled:
+            token_versions = torch.full((S, T), version, dtype=torch.long)
             for i, tv in enumerate(tv for g in groups for tv in g.token_versions):
                 token_versions[i, : len(tv)] = torch.tensor(tv, dtype=torch.long)
 
@@ -171,8 +173,6 @@ class PolicyTrainer:
 
     def _decoupled_loss(self, packed, logp, behavior, token_versions, version, adv, mask):
         """Decoupled PPO on an off-policy micro-batch; the proximal log-probs by the configured method (timed)."""
-        import time
-
         s = self.loss
         t0 = time.perf_counter()
         recomputed = None

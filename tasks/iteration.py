@@ -53,16 +53,17 @@ def plan_task(run_id: str, iteration: int) -> dict:
 def list_shards(s, run_id: str, iteration: int) -> list[str]:
     """The shard paths of an iteration published so far (the watcher's listing; caches invalidated first).
 
-    Sync / periodic: every shard of iteration k is under policy_version=k. Async: a batch's chunks start on
-    several versions, so every `policy_version=*` folder is listed."""
+    Sync / periodic: every shard of iteration k is under policy_version=k. Async: a chunk of batch k starts on a
+    version in [k - max_staleness, k] (admission control), so exactly those folders are listed."""
     fs = s.lake.fs
-    if s.cfg.pipeline.mode == "async":
-        root = f"{s.lake.run_dir(run_id)}/rollouts"
-        fs.invalidate_cache(root)
-        return sorted(fs.glob(f"{root}/policy_version=*/iter-{iteration:06d}/*.arrow"))
-    prefix = s.lake.iteration_rollouts(run_id, s.version, iteration)
-    fs.invalidate_cache(prefix)
-    return sorted(p for p in (fs.ls(prefix, detail=False) if fs.exists(prefix) else []) if p.endswith(".arrow"))
+    S = s.cfg.pipeline.max_staleness if s.cfg.pipeline.mode == "async" else 0
+    paths = []
+    for v in range(max(0, iteration - S), iteration + 1):
+        prefix = s.lake.iteration_rollouts(run_id, v, iteration)
+        fs.invalidate_cache(prefix)
+        if fs.exists(prefix):
+            paths.extend(p for p in fs.ls(prefix, detail=False) if p.endswith(".arrow"))
+    return sorted(paths)
 
 
 def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]:
@@ -168,12 +169,14 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             groups = groups_of(table, s.cfg.rollout.group_size)
             t2 = time.perf_counter()
             storage += t2 - t1
+            shard_staleness = [s.version - v for g in groups for tv in g.token_versions for v in tv]
+            if shard_staleness and not 0 <= min(shard_staleness) <= max(shard_staleness) <= max_staleness:
+                raise ShardError(f"{path}: tokens {max(shard_staleness)} versions behind the trainer's {s.version} "
+                                 f"(bound {max_staleness}) or ahead of it: admission control or version bookkeeping "
+                                 "failed")
             for g in groups:
                 rewards.extend(g.rewards)
-                staleness.extend(s.version - v for tv in g.token_versions for v in tv)
-            if staleness and (max(staleness) > max_staleness or min(staleness) < 0):
-                raise ShardError(f"{path}: tokens {max(staleness)} versions behind the trainer's {s.version} (bound "
-                                 f"{max_staleness}) or ahead of it: admission control or version bookkeeping failed")
+            staleness.extend(shard_staleness)
             for mb in micro_batches(groups, s.cfg.train.micro_batch_tokens, s.cfg.train.shared_prompt):
                 s.trainer.micro_step(mb, s.version)
                 faults.point("mid-train")

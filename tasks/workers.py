@@ -95,6 +95,7 @@ class _Worker:
         self.prompts = {p[0]: p for p in spec.prompts}
         self.pending: tuple[int, str] | None = None  # the newest (version, checkpoint) announced, not yet loaded
         self.load_s = 0.0
+        self.serving = False  # async: until told to stop (a stop seen mid-chunk is kept here, never lost)
         self.exiting = False  # told to exit while serving
 
     def load(self, version: int, ckpt_path: str) -> None:
@@ -153,7 +154,7 @@ class _Worker:
         t2 = time.perf_counter()
         return {"path": path, "checksum": checksum, "groups": len(groups), "worker": self.id, "iteration":
                 chunk.iteration, "gen_tokens": gen_tokens, "gen_s": t1 - t0, "storage_s": t2 - t1,
-                "published_at": time.time(), "versions": sorted({v for g in groups for s in g for v in s.token_versions})}
+                "published_at": time.time()}
 
     def iterate(self, version: int, ckpt_path: str, work) -> dict:
         """Sync / periodic: load `version`, drain the iteration's chunks up to a stop marker."""
@@ -173,24 +174,32 @@ class _Worker:
             shards.append(info)
         return {"shards": shards, "busy_s": busy, "storage_s": storage_s, "load_s": self.load_s}
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Take announced versions off the command queue (the newest wins); False once told to stop serving."""
+    def _drain_commands(self, block: bool = False) -> None:
+        """Take commands off the queue: the newest announced version wins (`pending`); "stop" / "exit" end serving.
+        With `block`, wait for at least one command."""
         while True:
             try:
                 cmd = self.commands.get(timeout=1.0) if block else self.commands.get_nowait()
             except queue.Empty:
-                if block and os.getppid() != self.parent:
+                if not block:
+                    return
+                if os.getppid() != self.parent:
                     os._exit(0)
-                if block:
-                    continue
-                return True
+                continue
             if cmd[0] == "version":
                 if self.pending is None or cmd[1] > self.pending[0]:
                     self.pending = (cmd[1], cmd[2])
             elif cmd[0] in ("stop", "exit"):
+                self.serving = False
                 self.exiting = self.exiting or cmd[0] == "exit"
-                return False
             block = False  # got something: take the rest without waiting
+
+    def _load_pending(self) -> bool:
+        """Load the newest announced version, if any; whether the weights changed."""
+        if self.pending is None:
+            return False
+        self.load(*self.pending)
+        return True
 
     def serve(self, version: int, ckpt_path: str, max_staleness: int, interrupt: bool, work, results) -> dict:
         """Async: generate chunks continuously. Admission control: a chunk of iteration j starts only on a version
@@ -198,18 +207,17 @@ class _Worker:
         New versions are loaded between chunks, or between decoding steps when `interrupt` is on."""
         self.load_s = 0.0
         self.load(version, ckpt_path)
+        self.serving = True
         busy = storage_s = 0.0
         n_shards = 0
 
         def poll_update() -> int | None:
-            self._drain_commands(block=False)
-            if self.pending is not None:
-                self.load(*self.pending)
-                return self.version
-            return None
+            self._drain_commands()
+            return self.version if self._load_pending() else None
 
         while True:
-            if not self._drain_commands(block=False):
+            self._drain_commands()
+            if not self.serving:
                 break
             try:
                 chunk = work.get(timeout=0.05)
@@ -219,14 +227,13 @@ class _Worker:
                 continue
             if chunk == _STOP:
                 continue
-            if self.pending is not None:
-                self.load(*self.pending)
+            self._load_pending()
             while self.version < chunk.iteration - max_staleness:  # admission control
-                if not self._drain_commands(block=True):
+                self._drain_commands(block=True)
+                if not self.serving:
                     return {"shards": n_shards, "busy_s": busy, "storage_s": storage_s, "load_s": self.load_s,
                             "abandoned_chunk": chunk.index}
-                if self.pending is not None:
-                    self.load(*self.pending)
+                self._load_pending()
             info = self.generate_chunk(chunk, poll_update if interrupt else None)
             busy += info["gen_s"]
             storage_s += info["storage_s"]
