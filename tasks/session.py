@@ -301,6 +301,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
         checkpoints.load_trainer_state(lake, path, trainer.optimizer)
 
     train_prompts, train_ids, eval_prompts, eval_ids = task_prompts(cfg, tokenizer)
+    iteration_prompt_ids(cfg, len(train_prompts), 0)  # refuses a batch larger than the training set
     spec = WorkerSpec(
         lake_uri=cfg.lake.uri, run_id=run_id, model_dir=local_v0, threads=cfg.resources.rollout_threads,
         run_seed=cfg.run.seed, group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -326,17 +327,17 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
 
 
 def iteration_prompt_ids(cfg: Config, n_train: int, iteration: int) -> list[int]:
-    """The batch of iteration k: epoch-wise permutations of the train prompts seeded by (run seed, epoch)."""
+    """The batch of iteration k: slot k mod E of epoch k // E, where an epoch is a permutation of the train prompts
+    seeded by (run seed, epoch) cut into E = n_train // B whole batches (the n_train mod B prompts left over are
+    skipped in that epoch, different ones each epoch). So a batch never holds a prompt twice: a group is
+    identified by (iteration, prompt), and two copies would have the same seeds, hence the same samples."""
     import random
 
     B = cfg.rollout.prompts_per_iteration
-    out: list[int] = []
-    pos = iteration * B
-    while len(out) < B:
-        epoch, offset = divmod(pos, n_train)
-        perm = list(range(n_train))
-        random.Random(cfg.run.seed * 7919 + epoch).shuffle(perm)
-        take = min(B - len(out), n_train - offset)
-        out.extend(perm[offset : offset + take])
-        pos += take
-    return out
+    if B > n_train:
+        raise ValueError(f"rollout.prompts_per_iteration={B} exceeds the {n_train} training prompts: lower it or "
+                         "add prompts")
+    epoch, slot = divmod(iteration, n_train // B)
+    perm = list(range(n_train))
+    random.Random(cfg.run.seed * 7919 + epoch).shuffle(perm)
+    return perm[slot * B : (slot + 1) * B]

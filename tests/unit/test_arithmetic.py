@@ -193,3 +193,23 @@ def test_char_tokenizer_specials_and_unknowns():
     assert tok.decode([*tok("19")["input_ids"], tok.eos_token_id], skip_special_tokens=True) == "19"
     small = build_char_tokenizer("ab")
     assert small("ba")["input_ids"] == [5, 4] and len(small) == 6
+
+
+def test_batches_never_repeat_a_prompt_and_cover_each_epoch_once():
+    from configs.schema import load_config
+    from tasks.session import iteration_prompt_ids
+
+    cfg = load_config("configs/arith-tiny.yaml", ["rollout.prompts_per_iteration=32"])
+    n = 761  # the demo's training prompts: 23 batches an epoch, 25 left over
+    per_epoch = n // 32
+    batches = [iteration_prompt_ids(cfg, n, k) for k in range(3 * per_epoch)]
+    assert all(len(b) == len(set(b)) == 32 for b in batches)
+    for e in range(3):
+        epoch = [p for b in batches[e * per_epoch : (e + 1) * per_epoch] for p in b]
+        assert len(set(epoch)) == len(epoch) == per_epoch * 32  # disjoint batches within an epoch
+    assert set(batches[0]) != set(batches[per_epoch])  # a new permutation each epoch
+    assert iteration_prompt_ids(cfg, n, 40) == batches[40]  # deterministic
+    other = load_config("configs/arith-tiny.yaml", ["run.seed=1"])
+    assert iteration_prompt_ids(other, n, 0) != batches[0]
+    with pytest.raises(ValueError, match="prompts_per_iteration=32 exceeds the 20 training prompts"):
+        iteration_prompt_ids(cfg, 20, 0)
