@@ -119,6 +119,10 @@ class AlgorithmSection(_Section):
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ε below 1.")
     clip_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO ε above 1 (DAPO clip-higher when > clip_low).")
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c for negative advantages.")
+    ppo_mini_batches: int = Field(1, ge=1, description="Optimizer steps per batch (PPO mini-batches): the batch's "
+                                  "groups, in plan order, are cut into this many equal parts, one step each. The "
+                                  "first part is trained exactly on-policy; later parts are clipped against the "
+                                  "rollout's behaviour log-probs. Weights still reach the workers once per batch.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient in the loss (0: no reference pass).")
     kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     prox_logp: Literal["recompute", "loglinear", "linear", "metrics"] = Field(
@@ -206,6 +210,18 @@ class Config(_Section):
         if self.rollout.engine == "vllm" and self.rollout.interrupt_on_update:
             raise ValueError("rollout.interrupt_on_update needs rollout.engine 'builtin': vLLM's offline API cannot "
                              "pause a request to swap weights; set interrupt_on_update to false")
+        m = self.algorithm.ppo_mini_batches
+        if m > 1:
+            if self.rollout.prompts_per_iteration % m:
+                raise ValueError(f"algorithm.ppo_mini_batches={m} must divide rollout.prompts_per_iteration="
+                                 f"{self.rollout.prompts_per_iteration} (equal mini-batches of whole groups)")
+            if self.pipeline.mode == "async":
+                raise ValueError("algorithm.ppo_mini_batches > 1 applies to modes sync and periodic; async mode's "
+                                 "decoupled loss takes its old policy from prox_logp: set ppo_mini_batches to 1")
+            if self.rollout.top_p < 1.0:
+                raise ValueError("algorithm.ppo_mini_batches > 1 clips later mini-batches against the behaviour "
+                                 "log-probs, which are the policy's only without nucleus truncation: set "
+                                 "rollout.top_p to 1.0 or ppo_mini_batches to 1")
         return self
 
 

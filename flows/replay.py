@@ -14,17 +14,16 @@ from configs.schema import Config
 from storage import checkpoints, ledger
 from storage.lake import Lake, atomic_write_bytes, read_json
 from storage.shards import read_shard
-from tasks.iteration import groups_of, micro_batches
+from tasks.iteration import BatchSteps, groups_of
 from tasks.session import build_trainer, resolve_device
 
 
 @task(name="replay-iteration", cache_policy=NO_CACHE)
 def _replay_iteration(trainer, cfg: Config, lake: Lake, record: dict) -> dict:
-    for sh in record["shards"]:
-        groups = groups_of(read_shard(lake, sh["path"], sh["checksum"]))
-        for mb in micro_batches(groups, cfg.train.micro_batch_tokens, cfg.train.shared_prompt):
-            trainer.micro_step(mb)
-    return trainer.optimizer_step()
+    steps = BatchSteps(trainer, cfg, record.get("prompt_ids") or [], record.get("policy_version", 0))
+    for sh in record["shards"]:  # in the order the trainer consumed them
+        steps.add(groups_of(read_shard(lake, sh["path"], sh["checksum"])))
+    return steps.finish()
 
 
 @flow(name="lockstep-replay")

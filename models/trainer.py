@@ -30,6 +30,7 @@ class RolloutGroup:
     rewards: list[float]
     behavior_logprobs: list[list[float]]
     token_versions: list[list[int]]
+    prompt_id: int = -1  # the prompt's id in the task (its place in the batch's plan decides its mini-batch)
 
 
 @dataclass
@@ -90,14 +91,18 @@ class PolicyTrainer:
     def pending_samples(self) -> int:
         return self._samples
 
-    def micro_step(self, groups: list[RolloutGroup], version: int = 0) -> dict[str, float]:
+    def micro_step(self, groups: list[RolloutGroup], version: int = 0, behavior_old: bool = False) -> dict[str, float]:
         """Forward + backward of the loss numerator on one micro-batch of whole groups; returns its figures.
 
         `version` is the trainer's policy version (the staleness of a token is version - its token version); it
         matters only to the decoupled loss. With `prox_logp: recompute` (or `metrics`) the proximal log-probs come
         from an extra no-grad forward pass of the current weights - decoupled PPO's proximal pass; with one
         optimizer step per batch those weights are the batch's proximal policy, so that pass reproduces the
-        policy log-probs detached. `loglinear` / `linear` (A-3PO) interpolate them without that pass."""
+        policy log-probs detached. `loglinear` / `linear` (A-3PO) interpolate them without that pass.
+
+        On-policy, the old policy is the current one (ratio exactly 1) until the batch's first optimizer step;
+        `behavior_old` (PPO mini-batches after the first) takes the rollout's behaviour log-probs instead: the
+        policy that generated the batch, which the trainer's weights have since moved away from."""
         if not groups:
             raise ValueError("micro_step needs at least one group")
         self.model.train()
@@ -134,7 +139,7 @@ class PolicyTrainer:
         if s.decoupled:
             per_token, metrics = self._decoupled_loss(packed, logp, behavior, token_versions, version, adv, mask)
         else:
-            old_logp = logp.detach()  # on-policy: one optimizer step per batch, ratio exactly 1
+            old_logp = behavior if behavior_old else logp.detach()  # before any step of the batch: ratio exactly 1
             per_token, metrics = objectives.policy_loss(
                 logp, old_logp, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip
             )

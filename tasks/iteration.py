@@ -105,7 +105,7 @@ def groups_of(table, group_size: int | None = None) -> list[RolloutGroup]:
     for r in table_to_records(table):
         g = groups.get(r.group_id)
         if g is None:
-            g = groups[r.group_id] = RolloutGroup(r.prompt_ids, [], [], [], [])
+            g = groups[r.group_id] = RolloutGroup(r.prompt_ids, [], [], [], [], prompt_id=r.prompt_id)
         g.responses.append(r.response_ids)
         g.rewards.append(r.reward)
         g.behavior_logprobs.append(r.behavior_logprobs)
@@ -137,9 +137,70 @@ def micro_batches(groups: list[RolloutGroup], budget: int, shared: bool) -> list
     return out
 
 
+# figures of a batch's optimizer steps that add up; the others are averaged over the steps (is_weight/max: maximum)
+_SUMMED = ("train/tokens", "train/samples", "train/micro_batches", "train/shared_fallbacks", "adv/zero_groups",
+           "time/prox_s")
+
+
+class BatchSteps:
+    """A batch's optimizer steps, fed whole groups in any order of arrival.
+
+    With `algorithm.ppo_mini_batches: M`, mini-batch m is the groups at plan positions [m B/M, (m+1) B/M). The
+    groups of the current mini-batch are micro-stepped as they arrive; a group of a later one waits in memory until
+    every earlier mini-batch has had its step. So the steps do not depend on the order in which shards land (the
+    periodic-equals-sync invariant), and M = 1 is the streaming single step of DESIGN.md."""
+
+    def __init__(self, trainer, cfg, plan: list[int], version: int):
+        self.trainer, self.version = trainer, version
+        self.budget, self.shared = cfg.train.micro_batch_tokens, cfg.train.shared_prompt
+        self.m = cfg.algorithm.ppo_mini_batches
+        self.size = len(plan) // self.m
+        self.position = {pid: i for i, pid in enumerate(plan)} if self.m > 1 else {}
+        self.waiting: list[list[RolloutGroup]] = [[] for _ in range(self.m)]
+        self.done = [0] * self.m
+        self.current = 0
+        self.steps: list[dict] = []
+
+    def add(self, groups: list[RolloutGroup]) -> None:
+        for g in groups:
+            if self.m == 1:
+                self.waiting[0].append(g)
+                continue
+            if g.prompt_id not in self.position:
+                raise ShardError(f"a group of prompt {g.prompt_id} is not in this batch's plan")
+            self.waiting[self.position[g.prompt_id] // self.size].append(g)
+        while True:
+            ready, self.waiting[self.current] = self.waiting[self.current], []
+            for mb in micro_batches(ready, self.budget, self.shared):
+                self.trainer.micro_step(mb, self.version, behavior_old=self.current > 0)
+                faults.point("mid-train")
+            self.done[self.current] += len(ready)
+            if self.current == self.m - 1 or self.done[self.current] < self.size:
+                return
+            self.steps.append(self.trainer.optimizer_step())
+            self.current += 1
+
+    def finish(self) -> dict[str, float]:
+        """The last step; the batch's figures (summed or averaged over its steps)."""
+        if self.m > 1 and (self.current != self.m - 1 or self.done[-1] != self.size):
+            raise RuntimeError(f"batch incomplete: mini-batch {self.current} of {self.m}, groups per mini-batch "
+                               f"{self.done} (expected {self.size} each)")
+        self.steps.append(self.trainer.optimizer_step())
+        if len(self.steps) == 1:
+            return self.steps[0]
+        out = {}
+        for key in self.steps[0]:
+            values = [f[key] for f in self.steps]
+            out[key] = sum(values) if key in _SUMMED else max(values) if key == "is_weight/max" else (
+                sum(values) / len(values))
+        out["train/optimizer_steps"] = float(len(self.steps))
+        return out
+
+
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(run_id: str, iteration: int, expected_groups: int, started_at: float) -> dict:
-    """Stream the iteration's shards as they land, micro-step on each, one optimizer step at the end."""
+    """Stream the iteration's shards as they land, micro-step on each, one optimizer step at the end (one per PPO
+    mini-batch with `algorithm.ppo_mini_batches` > 1)."""
     s = session(run_id)
     t_task = time.perf_counter()
     max_staleness = s.cfg.pipeline.max_staleness if s.cfg.pipeline.mode == "async" else 0
@@ -150,6 +211,7 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
     first_shard_s = None
     rewards: list[float] = []
     staleness: list[int] = []
+    steps = BatchSteps(s.trainer, s.cfg, iteration_prompt_ids(s.cfg, len(s.train_prompts), iteration), s.version)
     while groups_done < expected_groups:
         t0 = time.perf_counter()
         new = [p for p in list_shards(s, run_id, iteration) if p not in seen]
@@ -177,14 +239,12 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             for g in groups:
                 rewards.extend(g.rewards)
             staleness.extend(shard_staleness)
-            for mb in micro_batches(groups, s.cfg.train.micro_batch_tokens, s.cfg.train.shared_prompt):
-                s.trainer.micro_step(mb, s.version)
-                faults.point("mid-train")
+            steps.add(groups)
             busy += time.perf_counter() - t2
             groups_done += len(groups)
             shards.append({"path": path, "checksum": checksum, "groups": len(groups)})
     t3 = time.perf_counter()
-    figures = s.trainer.optimizer_step()
+    figures = steps.finish()
     busy += time.perf_counter() - t3
     s.storage_s += storage
     r = torch.tensor(rewards)

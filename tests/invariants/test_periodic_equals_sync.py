@@ -60,3 +60,17 @@ def test_periodic_equals_sync_and_negative_control(tmp_path, monkeypatch):
     bad = _max_param_diff(sync_params, bad_params)
     assert bad > 1e-5, f"negative control went unnoticed: {bad}"
     assert torch.isfinite(torch.tensor(bad))
+
+
+def test_ppo_mini_batches_with_two_workers_equal_sync(tmp_path):
+    """Two optimizer steps per batch (`algorithm.ppo_mini_batches: 2`): shards land in any order from two workers,
+    a group of the second mini-batch waits for the first step, and the result still equals sync training."""
+    mb = {"algorithm.ppo_mini_batches": 2}
+    sync_params, sync_samples = _run(tmp_path, "sync-mb", "sync", **mb)
+    per_params, per_samples = _run(tmp_path, "periodic-mb", "periodic", **mb, **{"resources.rollout_workers": 2})
+    assert sync_samples.keys() == per_samples.keys()
+    assert all(a.response_ids == per_samples[k].response_ids for k, a in sync_samples.items())
+    diff = _max_param_diff(sync_params, per_params)
+    assert diff <= 1e-5, f"periodic with mini-batches differs from sync by {diff}"
+    one_params, _ = _run(tmp_path, "sync-one", "sync")  # control: one step per batch is another update
+    assert _max_param_diff(sync_params, one_params) > 1e-4

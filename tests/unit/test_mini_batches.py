@@ -1,0 +1,116 @@
+"""PPO mini-batches (`algorithm.ppo_mini_batches`): a batch's groups, in plan order, are cut into M equal parts, one
+optimizer step each. The first part is exactly on-policy; later parts are clipped against the behaviour log-probs.
+`BatchSteps` must give the same steps whatever order the shards land in, and refuse an incomplete batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from configs.schema import ConfigError, load_config
+from models.packing import Group, pack, packed_logits, token_logprobs
+from models.tiny import build_tiny_model
+from models.trainer import PolicyTrainer, RolloutGroup
+from tasks.iteration import BatchSteps
+
+torch.set_num_threads(1)
+
+VOCAB = 40
+TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+PLAN = [17, 3, 11, 5, 8, 2, 14, 9]  # prompt ids in plan order: mini-batches {17, 3, 11, 5} and {8, 2, 14, 9}
+
+
+def _batch(model) -> dict[int, RolloutGroup]:
+    """One group per planned prompt, with the behaviour log-probs of `model` (the policy that generated them)."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for pid in PLAN:
+        prompt = torch.randint(4, VOCAB, (12,), generator=gen).tolist()
+        lens = torch.randint(2, 6, (4,), generator=gen).tolist()
+        responses = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in lens]
+        packed = pack([Group(prompt, responses)], 0, shared=False)
+        with torch.no_grad():
+            lp = token_logprobs(packed_logits(model, packed), packed.targets)
+        behavior = [lp[i, :n].tolist() for i, n in enumerate(lens)]
+        rewards = torch.rand(4, generator=gen).tolist()
+        out[pid] = RolloutGroup(prompt, responses, rewards, behavior, [[0] * n for n in lens], prompt_id=pid)
+    return out
+
+
+def _cfg(m: int):
+    return load_config(None, [f"algorithm.ppo_mini_batches={m}", "rollout.prompts_per_iteration=8",
+                              "train.micro_batch_tokens=64"])
+
+
+def _train(model, groups: dict[int, RolloutGroup], m: int, arrivals: list[list[int]], lr: float = 3e-2):
+    model = copy.deepcopy(model)
+    trainer = PolicyTrainer(model, None, lr=lr, grad_clip=None)
+    steps = BatchSteps(trainer, _cfg(m), PLAN, version=0)
+    for shard in arrivals:
+        steps.add([groups[p] for p in shard])
+    return model, steps.finish(), steps.steps
+
+
+def _diff(a, b) -> float:
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = build_tiny_model(VOCAB, seed=0, **TINY)
+    return model, _batch(model)
+
+
+def test_steps_do_not_depend_on_the_order_shards_land_in(setup):
+    model, groups = setup
+    in_order = [PLAN[i : i + 2] for i in range(0, 8, 2)]
+    reverse = [[9, 14], [2, 8], [5, 11], [3, 17]]  # the second mini-batch lands first and waits
+    interleaved = [[8, 17], [3, 2], [14, 11], [9, 5]]
+    a, fa, _ = _train(model, groups, 2, in_order)
+    b, _, _ = _train(model, groups, 2, reverse)
+    c, _, _ = _train(model, groups, 2, interleaved)
+    assert _diff(a, b) <= 1e-5 and _diff(a, c) <= 1e-5  # fp32 sums in another order (the periodic tolerance)
+    assert fa["train/optimizer_steps"] == 2.0 and fa["train/samples"] == 32.0
+    one, f1, _ = _train(model, groups, 1, in_order)  # negative control: one step is a different update
+    assert _diff(a, one) > 1e-4
+    assert "train/optimizer_steps" not in f1 and f1["train/samples"] == 32.0
+
+
+def test_later_mini_batches_are_clipped_against_the_behaviour_policy(setup):
+    model, groups = setup
+    a, _, steps = _train(model, groups, 2, [PLAN[:4], PLAN[4:]])
+    # by hand: a step on the first half (old = current: ratio 1), then the second half against the behaviour
+    ref = copy.deepcopy(model)
+    trainer = PolicyTrainer(ref, None, lr=3e-2, grad_clip=None, pad_token_id=0)
+    trainer.micro_step([groups[p] for p in PLAN[:4]])
+    trainer.optimizer_step()
+    trainer.micro_step([groups[p] for p in PLAN[4:]], behavior_old=True)
+    trainer.optimizer_step()
+    assert _diff(a, ref) <= 1e-5
+    assert steps[0]["clip/fraction"] == 0.0  # on-policy: nothing to clip
+    assert steps[1]["clip/fraction"] > 0.0  # the first step moved the policy past the trust region on some tokens
+
+
+def test_an_incomplete_batch_or_a_stranger_group_is_refused(setup):
+    model, groups = setup
+    trainer = PolicyTrainer(copy.deepcopy(model), None, lr=1e-3)
+    steps = BatchSteps(trainer, _cfg(2), PLAN, version=0)
+    steps.add([groups[p] for p in PLAN[:6]])
+    with pytest.raises(RuntimeError, match=r"batch incomplete: mini-batch 1 of 2"):
+        steps.finish()
+    stranger = copy.copy(groups[17])
+    stranger.prompt_id = 99
+    with pytest.raises(Exception, match="prompt 99 is not in this batch's plan"):
+        BatchSteps(trainer, _cfg(2), PLAN, version=0).add([stranger])
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (["algorithm.ppo_mini_batches=3"], "must divide rollout.prompts_per_iteration=32"),
+    (["algorithm.ppo_mini_batches=2", "pipeline.mode=async"], "applies to modes sync and periodic"),
+    (["algorithm.ppo_mini_batches=2", "rollout.top_p=0.9"], "set rollout.top_p to 1.0"),
+])
+def test_bad_mini_batch_configs_are_refused(overrides, reason):
+    with pytest.raises(ConfigError, match=reason):
+        load_config(None, overrides)
