@@ -5,6 +5,8 @@ BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.lockstep-installed
 CONFIG    ?= configs/arith-tiny.yaml
 ARGS      ?=
+# pytest workers: much of the suite waits on subprocesses and servers, so two workers fit two cores
+TEST_WORKERS ?= 2
 # A CPU build of torch unless a GPU is present: torch==2.13.0 is the CPU wheel on local disk here;
 # an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo "torch"; else echo "torch==2.13.0"; fi)
@@ -33,7 +35,7 @@ demo: $(STAMP)
 	$(BIN)/lockstep train $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

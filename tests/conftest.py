@@ -12,6 +12,9 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # its shutdown INFO l
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers: a Prefect home (SQLite database) each
+    home = os.environ.get("PREFECT_HOME", os.path.expanduser("~/.prefect"))
+    os.environ["PREFECT_HOME"] = os.path.join(home, os.environ["PYTEST_XDIST_WORKER"])
 
 from dataclasses import dataclass  # noqa: E402
 
