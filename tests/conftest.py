@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers: a Prefect home (SQLite database) each
     home = os.environ.get("PREFECT_HOME", os.path.expanduser("~/.prefect"))
     os.environ["PREFECT_HOME"] = os.path.join(home, os.environ["PYTEST_XDIST_WORKER"])
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)  # Prefect creates only the last level of its home
 
 from dataclasses import dataclass  # noqa: E402
 
