@@ -117,8 +117,8 @@ class PolicyTrainer:
         plain = [Group(g.prompt_ids, g.responses) for g in groups]
         shared = self.shared_prompt and use_shared(plain)
         packed = pack(plain, self.pad_token_id, shared)
-        mask = packed.mask  # (S, T)
-        S, T = mask.shape
+        device = next(self.model.parameters()).device  # the loss's tensors live beside the log-probs
+        S, T = packed.mask.shape
         behavior = torch.zeros((S, T))
         flat_beh = [lp for g in groups for lp in g.behavior_logprobs]
         for i, lp in enumerate(flat_beh):
@@ -128,6 +128,8 @@ class PolicyTrainer:
             token_versions = torch.full((S, T), version, dtype=torch.long)
             for i, tv in enumerate(tv for g in groups for tv in g.token_versions):
                 token_versions[i, : len(tv)] = torch.tensor(tv, dtype=torch.long)
+            token_versions = token_versions.to(device)
+        mask, adv, behavior = packed.mask.to(device), adv.to(device), behavior.to(device)  # (S, T), (S,), (S, T)
 
         ref_logp = None
         if s.kl_coef > 0:

@@ -27,10 +27,11 @@ def plan_task(run_id: str, iteration: int) -> dict:
     """Choose the iteration's prompts, cut them into chunks, put them on the workers' queue."""
     s = session(run_id)
     t0 = time.perf_counter()
-    prompt_ids = iteration_prompt_ids(s.cfg, len(s.train_prompts), iteration)
+    previous = ledger.read_record(s.lake, run_id, iteration)
+    # a resumed iteration keeps the plan it was started with (its published shards were cut from it)
+    prompt_ids = (previous or {}).get("prompt_ids") or iteration_prompt_ids(s.cfg, len(s.train_prompts), iteration)
     k = s.cfg.pipeline.shard_groups
     chunks = [Chunk(iteration, s.version, i // k, tuple(prompt_ids[i : i + k])) for i in range(0, len(prompt_ids), k)]
-    previous = ledger.read_record(s.lake, run_id, iteration)
     reused: list[int] = []
     quarantined: list[str] = []
     if previous is not None:  # a resumed iteration: keep every complete, valid shard of its own version
@@ -159,6 +160,7 @@ class BatchSteps:
         self.waiting: list[list[RolloutGroup]] = [[] for _ in range(self.m)]
         self.done = [0] * self.m
         self.current = 0
+        self.seen: set[int] = set()
         self.steps: list[dict] = []
 
     def add(self, groups: list[RolloutGroup]) -> None:
@@ -168,6 +170,9 @@ class BatchSteps:
                 continue
             if g.prompt_id not in self.position:
                 raise ShardError(f"a group of prompt {g.prompt_id} is not in this batch's plan")
+            if g.prompt_id in self.seen:
+                raise ShardError(f"a second group of prompt {g.prompt_id} in one batch")
+            self.seen.add(g.prompt_id)
             self.waiting[self.position[g.prompt_id] // self.size].append(g)
         while True:
             ready, self.waiting[self.current] = self.waiting[self.current], []
@@ -188,11 +193,18 @@ class BatchSteps:
         self.steps.append(self.trainer.optimizer_step())
         if len(self.steps) == 1:
             return self.steps[0]
+        tokens = [f["train/tokens"] for f in self.steps]
         out = {}
         for key in self.steps[0]:
             values = [f[key] for f in self.steps]
-            out[key] = sum(values) if key in _SUMMED else max(values) if key == "is_weight/max" else (
-                sum(values) / len(values))
+            if key in _SUMMED:
+                out[key] = sum(values)
+            elif key == "is_weight/max":
+                out[key] = max(values)
+            else:  # token-weighted, like the figures of one step
+                out[key] = sum(v * t for v, t in zip(values, tokens)) / max(sum(tokens), 1.0)
+        # after the first step the policy has moved: logp - behaviour there is training, not engine mismatch
+        out["mismatch/logp_abs"] = self.steps[0]["mismatch/logp_abs"]
         out["train/optimizer_steps"] = float(len(self.steps))
         return out
 
@@ -211,7 +223,10 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
     first_shard_s = None
     rewards: list[float] = []
     staleness: list[int] = []
-    steps = BatchSteps(s.trainer, s.cfg, iteration_prompt_ids(s.cfg, len(s.train_prompts), iteration), s.version)
+    t_plan = time.perf_counter()
+    plan = ledger.read_record(s.lake, run_id, iteration)["prompt_ids"]  # as plan_task recorded it
+    storage += time.perf_counter() - t_plan
+    steps = BatchSteps(s.trainer, s.cfg, plan, s.version)
     while groups_done < expected_groups:
         t0 = time.perf_counter()
         new = [p for p in list_shards(s, run_id, iteration) if p not in seen]

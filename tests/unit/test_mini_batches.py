@@ -68,11 +68,15 @@ def test_steps_do_not_depend_on_the_order_shards_land_in(setup):
     in_order = [PLAN[i : i + 2] for i in range(0, 8, 2)]
     reverse = [[9, 14], [2, 8], [5, 11], [3, 17]]  # the second mini-batch lands first and waits
     interleaved = [[8, 17], [3, 2], [14, 11], [9, 5]]
-    a, fa, _ = _train(model, groups, 2, in_order)
+    a, fa, sa = _train(model, groups, 2, in_order)
     b, _, _ = _train(model, groups, 2, reverse)
     c, _, _ = _train(model, groups, 2, interleaved)
     assert _diff(a, b) <= 1e-5 and _diff(a, c) <= 1e-5  # fp32 sums in another order (the periodic tolerance)
     assert fa["train/optimizer_steps"] == 2.0 and fa["train/samples"] == 32.0
+    assert fa["train/tokens"] == sa[0]["train/tokens"] + sa[1]["train/tokens"]
+    assert fa["mismatch/logp_abs"] == sa[0]["mismatch/logp_abs"] < 1e-5  # engine vs trainer, before any step
+    t0, t1 = sa[0]["train/tokens"], sa[1]["train/tokens"]
+    assert fa["entropy/mean"] == pytest.approx((sa[0]["entropy/mean"] * t0 + sa[1]["entropy/mean"] * t1) / (t0 + t1))
     one, f1, _ = _train(model, groups, 1, in_order)  # negative control: one step is a different update
     assert _diff(a, one) > 1e-4
     assert "train/optimizer_steps" not in f1 and f1["train/samples"] == 32.0
@@ -93,7 +97,7 @@ def test_later_mini_batches_are_clipped_against_the_behaviour_policy(setup):
     assert steps[1]["clip/fraction"] > 0.0  # the first step moved the policy past the trust region on some tokens
 
 
-def test_an_incomplete_batch_or_a_stranger_group_is_refused(setup):
+def test_an_incomplete_batch_a_stranger_or_a_repeated_group_is_refused(setup):
     model, groups = setup
     trainer = PolicyTrainer(copy.deepcopy(model), None, lr=1e-3)
     steps = BatchSteps(trainer, _cfg(2), PLAN, version=0)
@@ -104,6 +108,10 @@ def test_an_incomplete_batch_or_a_stranger_group_is_refused(setup):
     stranger.prompt_id = 99
     with pytest.raises(Exception, match="prompt 99 is not in this batch's plan"):
         BatchSteps(trainer, _cfg(2), PLAN, version=0).add([stranger])
+    twice = BatchSteps(trainer, _cfg(2), PLAN, version=0)
+    twice.add([groups[8]])  # waits for the first mini-batch
+    with pytest.raises(Exception, match="a second group of prompt 8 in one batch"):
+        twice.add([groups[8]])
 
 
 @pytest.mark.parametrize("overrides,reason", [
