@@ -149,7 +149,7 @@ class BatchSteps:
     With `algorithm.ppo_mini_batches: M`, mini-batch m is the groups at plan positions [m B/M, (m+1) B/M). The
     groups of the current mini-batch are micro-stepped as they arrive; a group of a later one waits in memory until
     every earlier mini-batch has had its step. So the steps do not depend on the order in which shards land (the
-    periodic-equals-sync invariant), and M = 1 is the streaming single step of DESIGN.md."""
+    periodic-equals-sync invariant), and M = 1 is the streaming single step of DESIGN.md (the plan is not read)."""
 
     def __init__(self, trainer, cfg, plan: list[int], version: int):
         self.trainer, self.version = trainer, version
@@ -223,9 +223,11 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
     first_shard_s = None
     rewards: list[float] = []
     staleness: list[int] = []
-    t_plan = time.perf_counter()
-    plan = ledger.read_record(s.lake, run_id, iteration)["prompt_ids"]  # as plan_task recorded it
-    storage += time.perf_counter() - t_plan
+    plan: list[int] = []
+    if s.cfg.algorithm.ppo_mini_batches > 1:  # mini-batch membership follows the plan as plan_task recorded it
+        t_plan = time.perf_counter()
+        plan = ledger.read_record(s.lake, run_id, iteration)["prompt_ids"]
+        storage += time.perf_counter() - t_plan
     steps = BatchSteps(s.trainer, s.cfg, plan, s.version)
     while groups_done < expected_groups:
         t0 = time.perf_counter()
