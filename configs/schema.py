@@ -30,6 +30,9 @@ class RunSection(_Section):
 class LakeSection(_Section):
     uri: str = Field("./lake", min_length=1, description="fsspec URL of the lake: a path, file://, s3://, memory://…")
     compression: Literal["zstd", "lz4"] | None = Field(None, description="Arrow IPC compression of shards.")
+    keep_optimizer_state: int = Field(2, ge=0, description="Keep the optimizer state (2/3 of a checkpoint with "
+        "AdamW) of the newest N versions only; older versions keep weights, tokenizer and RNG state, enough for "
+        "export, replay and audit (0: keep every version's).")
 
 
 class TinyModelSection(_Section):
@@ -143,6 +146,10 @@ class TrainerSection(_Section):
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW β1.")
     beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW β2.")
     grad_clip: float | None = Field(1.0, gt=0.0, description="Max gradient norm (null: no clipping).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning rate over the "
+        "run's batches: constant, or a decay from `lr` to `lr x min_lr_ratio` at the last iteration.")
+    warmup_steps: int = Field(0, ge=0, description="Batches of linear warm-up from ~0 to `lr` (before any decay).")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final learning rate / `lr` of a decay schedule.")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Training device.")
 
 
@@ -166,6 +173,9 @@ class ResourcesSection(_Section):
     rollout_workers: int = Field(1, ge=1, le=256, description="Long-lived rollout worker processes.")
     rollout_threads: int = Field(1, ge=1, le=512, description="Torch threads per rollout worker.")
     train_threads: int = Field(1, ge=1, le=512, description="Torch threads of the trainer.")
+    api_server_nice: int = Field(10, ge=0, le=19, description="Niceness given to the ephemeral Prefect API server "
+        "this run starts, so that rollout and training threads come first on a machine with few cores (its event "
+        "recording lags instead); 0: leave it. A server you run yourself (PREFECT_API_URL) is never touched.")
 
 
 class EvalSection(_Section):
@@ -210,6 +220,9 @@ class Config(_Section):
         if self.rollout.engine == "vllm" and self.rollout.interrupt_on_update:
             raise ValueError("rollout.interrupt_on_update needs rollout.engine 'builtin': vLLM's offline API cannot "
                              "pause a request to swap weights; set interrupt_on_update to false")
+        if self.trainer.warmup_steps >= self.run.iterations and self.trainer.lr_schedule != "constant":
+            raise ValueError(f"trainer.warmup_steps={self.trainer.warmup_steps} leaves no batch to decay over in "
+                             f"run.iterations={self.run.iterations}: lower it or use lr_schedule: constant")
         m = self.algorithm.ppo_mini_batches
         if m > 1:
             if self.rollout.prompts_per_iteration % m:

@@ -33,6 +33,23 @@ class RolloutGroup:
     prompt_id: int = -1  # the prompt's id in the task (its place in the batch's plan decides its mini-batch)
 
 
+def lr_factor(step: int, total: int, *, kind: str = "constant", warmup: int = 0, min_ratio: float = 0.0) -> float:
+    """The learning rate of batch `step` (0-based) of `total`, as a fraction of the peak.
+
+    Warm-up rises linearly over the first `warmup` batches ((step + 1) / warmup, so the first step is not wasted);
+    then `linear` or `cosine` decays from 1 at batch `warmup` to `min_ratio` at the last batch, `total - 1`.
+    A function of the batch index alone, so a resumed run and a replay take the same rates as the first run."""
+    if kind not in ("constant", "linear", "cosine"):
+        raise ValueError(f"unknown lr schedule {kind!r}: expected constant, linear or cosine")
+    if step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+    shape = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
 @dataclass
 class LossSettings:
     advantage: objectives.AdvantageKind = "grpo"
@@ -77,7 +94,13 @@ class PolicyTrainer:
         self.pad_token_id = pad_token_id
         self.shared_prompt = shared_prompt
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        self.peak_lr = lr
         self._reset_accumulators()
+
+    def set_lr_factor(self, factor: float) -> None:
+        """The learning rate of the next optimizer steps: `factor` x the configured peak."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.peak_lr * factor
 
     def _reset_accumulators(self) -> None:
         self._denominator = 0.0
@@ -230,6 +253,7 @@ class PolicyTrainer:
             "clip/low_fraction": self._sums["clip/low_fraction"] / tok,
             "clip/high_fraction": self._sums["clip/high_fraction"] / tok,
             "grad/norm": float(grad_norm),
+            "train/lr": float(self.optimizer.param_groups[0]["lr"]),
             "train/tokens": self._tokens,
             "train/samples": float(self._samples),
             "adv/zero_groups": self._sums["adv/zero_groups"],

@@ -19,9 +19,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from storage import faults
-from storage.lake import Lake, atomic_write_json, read_json
+from storage.lake import Lake, atomic_write_bytes, atomic_write_json, read_json
 
 WEIGHTS = "model.safetensors"
+PRUNED_MARK = "trainer_state/OPTIMIZER_PRUNED"  # listed in the manifest once the optimizer state is pruned
 
 
 class CheckpointError(RuntimeError):
@@ -177,13 +178,41 @@ def load_trainer_state(lake: Lake, path: str, optimizer: torch.optim.Optimizer |
     """Restore optimizer and torch RNG state saved with a checkpoint; returns state.json's contents."""
     fs = lake.fs
     sdir = f"{path}/trainer_state"
+    state = read_json(lake, f"{sdir}/state.json")
+    if optimizer is not None and PRUNED_MARK in read_json(lake, f"{path}/MANIFEST.json"):
+        raise CheckpointError(f"checkpoint {path} no longer has its optimizer state (lake.keep_optimizer_state "
+                              f"pruned it); resume from the promoted version, whose state is kept")
     if optimizer is not None and fs.exists(f"{sdir}/optimizer.safetensors"):
         with fs.open(f"{sdir}/optimizer.safetensors", "rb") as f:
             tensors = st_load(f.read())
         _restore_optimizer(optimizer, tensors, read_json(lake, f"{sdir}/optimizer.json"))
     with fs.open(f"{sdir}/rng.safetensors", "rb") as f:
         torch.set_rng_state(st_load(f.read())["torch"])
-    return read_json(lake, f"{sdir}/state.json")
+    return state
+
+
+def prune_optimizer_state(lake: Lake, run_id: str, version: int) -> bool:
+    """Drop the optimizer state of checkpoint v{version}, keeping it a valid checkpoint; False if there was none.
+
+    A marker file is written, then the manifest is replaced atomically (the optimizer files out, the marker in:
+    the one point where the checkpoint changes), then the files go. A crash anywhere leaves at most unlisted
+    files, never a checkpoint that fails its manifest. Such a version can still be exported, replayed against
+    and audited, but not resumed from."""
+    fs, path = lake.fs, lake.checkpoint_dir(run_id, version)
+    names = ("trainer_state/optimizer.safetensors", "trainer_state/optimizer.json")
+    manifest = read_json(lake, f"{path}/MANIFEST.json")
+    if names[0] not in manifest:
+        return False
+    marker = b"optimizer state pruned by lake.keep_optimizer_state\n"
+    atomic_write_bytes(lake, run_id, f"{path}/{PRUNED_MARK}", marker)
+    for name in names:
+        manifest.pop(name, None)
+    manifest[PRUNED_MARK] = hashlib.sha256(marker).hexdigest()
+    atomic_write_bytes(lake, run_id, f"{path}/MANIFEST.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
+    for name in names:
+        if fs.exists(f"{path}/{name}"):
+            fs.rm(f"{path}/{name}")
+    return True
 
 
 def local_copy(lake: Lake, path: str, cache_dir: str) -> str:

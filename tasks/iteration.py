@@ -13,7 +13,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from models.trainer import RolloutGroup
+from models.trainer import RolloutGroup, lr_factor
 from storage import checkpoints, faults, ledger
 from storage.shards import ShardError, read_shard, table_to_records
 from tasks.session import evaluate, iteration_prompt_ids, session
@@ -153,6 +153,9 @@ class BatchSteps:
 
     def __init__(self, trainer, cfg, plan: list[int], version: int):
         self.trainer, self.version = trainer, version
+        t = cfg.trainer
+        trainer.set_lr_factor(lr_factor(version, cfg.run.iterations, kind=t.lr_schedule, warmup=t.warmup_steps,
+                                        min_ratio=t.min_lr_ratio))
         self.budget, self.shared = cfg.train.micro_batch_tokens, cfg.train.shared_prompt
         self.m = cfg.algorithm.ppo_mini_batches
         self.size = len(plan) // self.m
@@ -295,6 +298,9 @@ def promote_task(run_id: str, iteration: int) -> dict:
     checkpoints.promote(s.lake, run_id, new_version)
     faults.point("after-promote")
     s.version = new_version
+    keep = s.cfg.lake.keep_optimizer_state
+    if keep and new_version - keep >= 0:  # the promoted version (and the one before) keep theirs for resume
+        checkpoints.prune_optimizer_state(s.lake, run_id, new_version - keep)
     if s.cfg.pipeline.mode == "async":  # serving workers load it between chunks (or decoding steps)
         s.pool.announce(new_version, s.lake.checkpoint_dir(run_id, new_version))
     ledger.write_record(s.lake, run_id, iteration, "promoted", promoted_version=new_version)

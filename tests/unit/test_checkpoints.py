@@ -18,8 +18,10 @@ from storage.checkpoints import (
     CheckpointError,
     load_into,
     load_trainer_state,
+    export_hf,
     load_weights,
     promote,
+    prune_optimizer_state,
     promoted_version,
     save_checkpoint,
     verify_checkpoint,
@@ -165,6 +167,36 @@ def test_negative_control_fresh_optimizer_diverges(tiny_hf, lake):
         float((p1 - p2).detach().abs().max()) for p1, p2 in zip(model.parameters(), model2.parameters(), strict=True)
     ]
     assert max(diffs) > 1e-4
+
+
+def test_pruned_optimizer_state_leaves_a_valid_checkpoint_that_refuses_resume(tiny_hf, lake, tmp_path):
+    model = tiny_hf.model
+    opt = train_steps(model, steps=2)
+    path = save_checkpoint(lake, RUN, 3, model, tiny_hf.tokenizer, optimizer=opt, extra_state={"iteration": 3})
+    before = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    assert prune_optimizer_state(lake, RUN, 3) is True
+    assert prune_optimizer_state(lake, RUN, 3) is False  # nothing left to prune
+    after = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    assert not Path(path, "trainer_state", "optimizer.safetensors").exists()
+    assert after < before / 2  # AdamW's two moments per weight were the bulk of it
+    verify_checkpoint(lake, path)  # the manifest was rewritten with the files
+    promote(lake, RUN, 3)
+    assert promoted_version(lake, RUN) == 3
+    reloaded = AutoModelForCausalLM.from_pretrained(export_hf(lake, path, str(tmp_path / "out")), dtype=torch.float32)
+    ids = fixed_input(tiny_hf.tokenizer)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    assert load_trainer_state(lake, path, None) == {"version": 3, "iteration": 3}  # RNG and state still load
+    with pytest.raises(CheckpointError, match="no longer has its optimizer state"):
+        load_trainer_state(lake, path, torch.optim.AdamW(reloaded.parameters()))
+
+
+def test_a_checkpoint_saved_without_optimizer_is_not_pruned(tiny_hf, lake):
+    path = save_checkpoint(lake, RUN, 0, tiny_hf.model, tiny_hf.tokenizer)
+    assert prune_optimizer_state(lake, RUN, 0) is False
+    opt = torch.optim.AdamW(tiny_hf.model.parameters())
+    load_trainer_state(lake, path, opt)  # fresh optimizer stays fresh: v0 never had moments
+    assert opt.state_dict()["state"] == {}
 
 
 # ------------------------------------------------------------------------------------------------ verify / promote
