@@ -16,13 +16,13 @@ from models.tiny import build_tiny_model
 from storage import ledger
 from storage.checkpoints import (
     CheckpointError,
+    export_hf,
     load_into,
     load_trainer_state,
-    export_hf,
     load_weights,
     promote,
-    prune_optimizer_state,
     promoted_version,
+    prune_optimizer_state,
     save_checkpoint,
     verify_checkpoint,
 )

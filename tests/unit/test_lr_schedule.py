@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from configs.schema import ConfigError, load_config
-from models.trainer import PolicyTrainer, RolloutGroup, lr_factor
 from models.tiny import build_tiny_model
+from models.trainer import PolicyTrainer, RolloutGroup, lr_factor
 from tasks.iteration import BatchSteps
 
 torch.set_num_threads(1)
