@@ -57,7 +57,9 @@ def test_every_shipped_yaml_parses_and_round_trips(path):
 
 def test_arith_tiny_values():
     cfg = load_config(REPO / "configs" / "arith-tiny.yaml")
-    assert cfg.run.name == "arith-tiny" and cfg.run.iterations == 360
+    assert cfg.run.name == "arith-tiny" and cfg.run.iterations == 300
+    assert (cfg.trainer.lr, cfg.trainer.lr_schedule, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio) == (
+        2.0e-4, "cosine", 10, 0.1)
     assert cfg.model.path is None and cfg.model.tiny.hidden_size == 128 and cfg.model.tiny.num_kv_heads == 2
     assert cfg.bootstrap.lr == 3.0e-3 and isinstance(cfg.bootstrap.lr, float) and cfg.bootstrap.target_accuracy == 0.5
     assert cfg.train.micro_batch_tokens == 4096

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from configs.schema import ConfigError, load_config
+from configs.schema import load_config
 from models.tiny import build_tiny_model
 from models.trainer import PolicyTrainer, RolloutGroup, lr_factor
 from tasks.iteration import BatchSteps
@@ -40,10 +40,11 @@ def test_unknown_schedule_is_refused():
         lr_factor(0, 10, kind="step")
 
 
-def test_warmup_that_leaves_no_decay_is_refused():
-    with pytest.raises(ConfigError, match="trainer.warmup_steps=10"):
-        load_config(None, ["run.iterations=10", "trainer.warmup_steps=10", "trainer.lr_schedule=cosine"])
-    load_config(None, ["run.iterations=10", "trainer.warmup_steps=10"])  # constant with warm-up: allowed
+def test_a_run_shorter_than_its_warmup_stays_in_warmup():
+    cfg = load_config(None, ["run.iterations=4", "trainer.warmup_steps=10", "trainer.lr_schedule=cosine"])
+    t = cfg.trainer
+    factors = [lr_factor(s, 4, kind=t.lr_schedule, warmup=t.warmup_steps, min_ratio=t.min_lr_ratio) for s in range(4)]
+    assert factors == pytest.approx([0.1, 0.2, 0.3, 0.4])
 
 
 def _group() -> RolloutGroup:
