@@ -21,7 +21,7 @@ def _quiet_environment() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("LANCE_LOG", "error")  # not "WARN No existing dataset" when the catalog is created
+    os.environ.setdefault("LANCEDB_LOG", "error")  # not "WARN No existing dataset" when the catalog is created
 
 
 class _Progress:
