@@ -109,27 +109,24 @@ def _iteration(s: RunSession, k: int) -> dict:
     return figures
 
 
-def _lower_api_server_priority(nice: int) -> list[int]:
-    """Renice the ephemeral Prefect API server(s) this process started; returns their pids.
+def _lower_api_server_priority(nice: int) -> None:
+    """Renice the ephemeral Prefect API server(s) this process started.
 
     On 2 cores the server's event recording took ~20% of a core beside one rollout and one training thread."""
     if nice <= 0 or not hasattr(os, "setpriority"):
-        return []
+        return
     try:
         from prefect.server.api.server import SubprocessASGIServer
     except ImportError:  # another Prefect layout: leave the server as it is
-        return []
-    pids = []
+        return
     for server in list(getattr(SubprocessASGIServer, "_instances", {}).values()):
         proc = getattr(server, "server_process", None)
         if proc is None or proc.poll() is not None:
             continue
         try:
             os.setpriority(os.PRIO_PROCESS, proc.pid, max(nice, os.getpriority(os.PRIO_PROCESS, proc.pid)))
-            pids.append(proc.pid)
         except OSError:  # not ours to change: no harm
             pass
-    return pids
 
 
 @flow(name="lockstep-train", log_prints=False)

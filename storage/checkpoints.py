@@ -72,7 +72,11 @@ def _write_model_dir(local: str, model, tokenizer, optimizer, extra_state: dict 
         for p in sorted(Path(local).rglob("*"))
         if p.is_file()
     }
-    Path(local, "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    Path(local, "MANIFEST.json").write_bytes(_manifest_bytes(manifest))
+
+
+def _manifest_bytes(manifest: dict[str, str]) -> bytes:
+    return json.dumps(manifest, indent=1, sort_keys=True).encode()
 
 
 def save_model_dir(
@@ -208,7 +212,7 @@ def prune_optimizer_state(lake: Lake, run_id: str, version: int) -> bool:
     for name in names:
         manifest.pop(name, None)
     manifest[PRUNED_MARK] = hashlib.sha256(marker).hexdigest()
-    atomic_write_bytes(lake, run_id, f"{path}/MANIFEST.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
+    atomic_write_bytes(lake, run_id, f"{path}/MANIFEST.json", _manifest_bytes(manifest))
     for name in names:
         if fs.exists(f"{path}/{name}"):
             fs.rm(f"{path}/{name}")

@@ -149,7 +149,8 @@ class BatchSteps:
     With `algorithm.ppo_mini_batches: M`, mini-batch m is the groups at plan positions [m B/M, (m+1) B/M). The
     groups of the current mini-batch are micro-stepped as they arrive; a group of a later one waits in memory until
     every earlier mini-batch has had its step. So the steps do not depend on the order in which shards land (the
-    periodic-equals-sync invariant), and M = 1 is the streaming single step of DESIGN.md (the plan is not read)."""
+    periodic-equals-sync invariant), and M = 1 is the streaming single step of DESIGN.md (the plan is not read).
+    Creating it sets the trainer's learning rate to the schedule's rate for this batch (`version`)."""
 
     def __init__(self, trainer, cfg, plan: list[int], version: int):
         self.trainer, self.version = trainer, version
@@ -299,7 +300,7 @@ def promote_task(run_id: str, iteration: int) -> dict:
     faults.point("after-promote")
     s.version = new_version
     keep = s.cfg.lake.keep_optimizer_state
-    if keep and new_version - keep >= 0:  # the promoted version (and the one before) keep theirs for resume
+    if keep and new_version - keep >= 0:  # the newest `keep` versions, the promoted one among them, keep theirs
         checkpoints.prune_optimizer_state(s.lake, run_id, new_version - keep)
     if s.cfg.pipeline.mode == "async":  # serving workers load it between chunks (or decoding steps)
         s.pool.announce(new_version, s.lake.checkpoint_dir(run_id, new_version))
