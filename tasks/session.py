@@ -313,7 +313,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
               "max_model_len": cfg.rollout.vllm_max_model_len},
         prompts=[(p.prompt_id, p.text, p.answer, i) for p, i in zip(train_prompts, train_ids)],
     )
-    pool = WorkerPool(cfg.resources.rollout_workers, spec)
+    pool = WorkerPool(cfg.resources.rollout_workers, spec, wait_ready=False)  # starts while MLflow and v0's eval do
     if cfg.tracking.enabled:
         tracker = Tracker.start(cfg.tracking.uri, cfg.tracking.experiment or cfg.run.name, run_id,
                                 tags={"lockstep.mode": cfg.pipeline.mode})

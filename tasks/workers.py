@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -273,7 +274,9 @@ class WorkerError(RuntimeError):
 class WorkerPool:
     """Spawned rollout workers plus the shared chunk queue. One pool per run, kept across iterations."""
 
-    def __init__(self, n_workers: int, spec: WorkerSpec, start_timeout_s: float = 300.0):
+    def __init__(self, n_workers: int, spec: WorkerSpec, start_timeout_s: float = 300.0, wait_ready: bool = True):
+        """Spawn the workers; with `wait_ready` false, return at once and let each worker's first command wait
+        for it (its imports and model load then overlap the caller's own start-up work)."""
         ctx = mp.get_context("spawn")
         self.n = n_workers
         self.work = ctx.Queue()
@@ -285,10 +288,19 @@ class WorkerPool:
             for w in range(n_workers)
         ]
         self.failed: str | None = None
+        self.start_timeout_s = start_timeout_s
+        self.ready = [False] * n_workers
+        self.serve_sent = [threading.Event() for _ in range(n_workers)]
         for p in self.procs:
             p.start()
-        for w in range(n_workers):
-            self._expect(w, "ready", start_timeout_s)
+        if wait_ready:
+            for w in range(n_workers):
+                self._await_ready(w)
+
+    def _await_ready(self, w: int) -> None:
+        if not self.ready[w]:
+            self._expect(w, "ready", self.start_timeout_s)
+            self.ready[w] = True
 
     def _expect(self, w: int, kind: str, timeout_s: float):
         msg = self._next(w, timeout_s)
@@ -305,6 +317,7 @@ class WorkerPool:
 
     def run(self, worker: int, version: int, checkpoint_path: str, timeout_s: float = 3600.0) -> dict:
         """Have `worker` load `version` (if it holds another) and drain the queue; blocks until it is done."""
+        self._await_ready(worker)
         self.commands[worker].put(("iterate", version, checkpoint_path))
         return self._expect(worker, "done", timeout_s)
 
@@ -312,7 +325,10 @@ class WorkerPool:
               on_shard=None) -> dict:
         """Async mode: `worker` generates chunks continuously until `stop_serving`; blocks until then.
         Each published shard's figures go to `on_shard` as it lands."""
+        # queued before waiting for a starting worker, so that a `stop_serving` can never overtake it
         self.commands[worker].put(("serve", version, checkpoint_path, max_staleness, interrupt))
+        self.serve_sent[worker].set()
+        self._await_ready(worker)
         while True:
             msg_kind, body = self._next(worker)
             if msg_kind == "shard":
@@ -328,8 +344,11 @@ class WorkerPool:
         for q in self.commands:
             q.put(("version", version, checkpoint_path))
 
-    def stop_serving(self) -> None:
-        for q in self.commands:
+    def stop_serving(self, timeout_s: float = 60.0) -> None:
+        """End every worker's serving loop. A stop queued before a worker's `serve` command would be ignored and
+        the worker would serve forever, so each stop waits (up to `timeout_s`) until that command is queued."""
+        for w, q in enumerate(self.commands):
+            self.serve_sent[w].wait(timeout_s)
             q.put(("stop",))
 
     def _next(self, w: int, timeout_s: float = 3600.0):

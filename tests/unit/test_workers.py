@@ -1,0 +1,55 @@
+"""The rollout worker pool starts without waiting; a worker that cannot start fails its first command, clearly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tasks.workers import WorkerError, WorkerPool, WorkerSpec
+
+
+def _spec(tmp_path, model_dir: str) -> WorkerSpec:
+    return WorkerSpec(lake_uri=str(tmp_path / "lake"), run_id="w", model_dir=model_dir, threads=1, run_seed=0,
+                      group_size=2, max_new_tokens=2, temperature=1.0, top_p=1.0, partial_credit=0.0,
+                      compression=None, reward_kind="arithmetic", prompts=[])
+
+
+def test_unstartable_worker_fails_its_first_command(tmp_path):
+    missing = tmp_path / "no-model-here"
+    t0 = time.perf_counter()
+    pool = WorkerPool(1, _spec(tmp_path, str(missing)), start_timeout_s=120, wait_ready=False)
+    try:
+        assert time.perf_counter() - t0 < 5.0  # returned before the worker imported torch and read its model
+        with pytest.raises(WorkerError, match="rollout worker 0 failed") as err:
+            pool.run(0, 0, str(tmp_path / "ckpt"))
+        assert str(missing) in str(err.value)  # the worker's traceback names the directory it could not load
+        assert not pool.alive()
+    finally:
+        pool.close()
+
+
+def test_waiting_pool_raises_at_start(tmp_path):
+    with pytest.raises(WorkerError, match="rollout worker 0 failed"):
+        WorkerPool(1, _spec(tmp_path, str(tmp_path / "absent")), start_timeout_s=120)
+
+
+def test_stop_right_after_serve_is_never_lost(tmp_path, tiny_hf):
+    """`stop_serving` while the worker is still starting: the stop must reach it after its serve command (a stop
+    that overtook it was ignored and the worker served forever; seen in the async kill/resume test)."""
+    import threading
+
+    from models.tiny import save_hf
+
+    model_dir = save_hf(tiny_hf.model, tiny_hf.tokenizer, tmp_path / "v0")
+    pool = WorkerPool(1, _spec(tmp_path, str(model_dir)), start_timeout_s=120, wait_ready=False)
+    try:
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(pool.serve(0, 0, str(model_dir), 1, False)))
+        t.start()
+        pool.stop_serving()  # before the worker has even imported torch
+        t.join(timeout=30)
+        assert not t.is_alive(), "the worker kept serving after stop_serving"
+        assert result["shards"] == 0 and pool.ready == [True]
+    finally:
+        pool.close()
