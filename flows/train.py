@@ -1,6 +1,6 @@
 """`train_flow`: the RL run as a Prefect flow; each iteration is one DAG of tasks.
 
-    plan -> rollout x N (concurrent) || train (streaming) -> promote -> log
+    plan -> rollout x N (concurrent) || train (streaming) -> promote -> audit (beside the next iteration)
 
 In `sync` mode the train task starts after every rollout task has finished; in `periodic` mode it starts at
 once and consumes shards as they land. Either way weights are promoted only after the whole batch is
@@ -21,10 +21,9 @@ from configs.schema import Config, load_config
 from storage import ledger
 from storage.lake import atomic_write_bytes
 from tasks.iteration import (
-    catalog_task,
+    audit_task,
+    catalog_iteration,
     evaluate_task,
-    log_task,
-    markdown_report_task,
     plan_task,
     promote_task,
     rollout_task,
@@ -89,9 +88,9 @@ def _iteration(s: RunSession, k: int) -> dict:
         bodies += time.perf_counter() - t_eval  # evaluation is compute, not overhead
     t_log = time.perf_counter()
     accuracy = figures.pop("eval/accuracy", None)
-    log_task(run_id, k, figures)
+    s.tracker.log_metrics(figures, k)  # timed by the tracker itself (time/tracking_s): not a task of its own
     if accuracy is not None:  # the accuracy of the version this iteration produced
-        log_task(run_id, k + 1, {"eval/accuracy": accuracy})
+        s.tracker.log_metrics({"eval/accuracy": accuracy}, k + 1)
         figures["eval/accuracy"] = accuracy
     t_end = time.perf_counter()
     wall = t_end - t0
@@ -160,7 +159,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         if cfg.pipeline.catalog:  # a crash may have cut a catalog write short: index those iterations again
             for rec in ledger.read_all(s.lake, s.run_id):
                 if rec["state"] == "promoted" and not rec.get("cataloged"):
-                    catalog_task(s.run_id, rec["iteration"], rec["promoted_version"])
+                    catalog_iteration(s.run_id, rec["iteration"], rec["promoted_version"])
         serving = []
         if cfg.pipeline.mode == "async":  # workers serve for the whole run; batches up to k + max_staleness planned
             serving = [serve_task.submit(s.run_id, w) for w in range(cfg.resources.rollout_workers)]
@@ -178,10 +177,8 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             for f in indexing or []:
                 f.result()
             indexing = []  # off the critical path: these run while the next iteration does
-            if cfg.pipeline.catalog:
-                indexing.append(catalog_task.submit(s.run_id, k, s.version))
-            if cfg.tracking.prefect_artifacts:
-                indexing.append(markdown_report_task.submit(s.run_id, k, fig))
+            if cfg.pipeline.catalog or cfg.tracking.prefect_artifacts:
+                indexing.append(audit_task.submit(s.run_id, k, s.version, fig))
         _stop_serving(s, serving)
         for f in indexing or []:
             f.result()

@@ -1,4 +1,4 @@
-"""The Prefect tasks of one iteration: plan -> rollout x N (concurrent) || train (streaming) -> promote -> log.
+"""The Prefect tasks of one iteration: plan -> rollout x N (concurrent) || train (streaming) -> promote -> audit.
 
 Each task takes the run id and small values, reaches the live objects through `tasks.session.session(run_id)`,
 and returns small values (paths, figures), never tensors. Caching is off on purpose: these tasks act on
@@ -7,6 +7,7 @@ live in-memory state, and what a resume may skip is decided by the ledger in the
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -213,6 +214,15 @@ class BatchSteps:
         return out
 
 
+def idle_rollout_threads(cfg) -> int:
+    """The trainer's torch threads once the iteration's rollouts are all published (`resources.borrow_rollout_threads`):
+    its own plus the idle workers', at most the CPU count; its own alone in async mode, whose workers never idle."""
+    r = cfg.resources
+    if not r.borrow_rollout_threads or cfg.pipeline.mode == "async":
+        return r.train_threads
+    return max(r.train_threads, min(os.cpu_count() or 1, r.train_threads + r.rollout_workers * r.rollout_threads))
+
+
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(run_id: str, iteration: int, expected_groups: int, started_at: float) -> dict:
     """Stream the iteration's shards as they land, micro-step on each, one optimizer step at the end (one per PPO
@@ -233,6 +243,8 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
         plan = ledger.read_record(s.lake, run_id, iteration)["prompt_ids"]
         storage += time.perf_counter() - t_plan
     steps = BatchSteps(s.trainer, s.cfg, plan, s.version)
+    torch.set_num_threads(s.cfg.resources.train_threads)  # the workers generate this iteration's rollouts
+    published = 0
     while groups_done < expected_groups:
         t0 = time.perf_counter()
         new = [p for p in list_shards(s, run_id, iteration) if p not in seen]
@@ -242,16 +254,21 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             time.sleep(POLL_S)
             wait += time.perf_counter() - t0
             continue
+        if first_shard_s is None:
+            first_shard_s = time.perf_counter() - started_at
+        t1 = time.perf_counter()
+        landed = []
         for path in new:
             seen.add(path)
-            if first_shard_s is None:
-                first_shard_s = time.perf_counter() - started_at
-            t1 = time.perf_counter()
             table = read_shard(s.lake, path)
-            checksum = table.schema.metadata[b"lockstep.sha256"].decode()
-            groups = groups_of(table, s.cfg.rollout.group_size)
+            landed.append((path, table.schema.metadata[b"lockstep.sha256"].decode(),
+                           groups_of(table, s.cfg.rollout.group_size)))
+            published += len(landed[-1][2])
+        storage += time.perf_counter() - t1
+        if published >= expected_groups:  # every rollout is in: the workers idle until the promotion
+            torch.set_num_threads(idle_rollout_threads(s.cfg))
+        for path, checksum, groups in landed:
             t2 = time.perf_counter()
-            storage += t2 - t1
             shard_staleness = [s.version - v for g in groups for tv in g.token_versions for v in tv]
             if shard_staleness and not 0 <= min(shard_staleness) <= max(shard_staleness) <= max_staleness:
                 raise ShardError(f"{path}: tokens {max(shard_staleness)} versions behind the trainer's {s.version} "
@@ -279,6 +296,7 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
         "time/train_wait_s": wait,
         "time/first_shard_s": first_shard_s or 0.0,
         "time/train_end_s": time.perf_counter() - started_at,
+        "train/threads": float(torch.get_num_threads()),  # at the optimizer step: borrowed or not
     })
     t_ledger = time.perf_counter()
     ledger.write_record(s.lake, run_id, iteration, "trained", shards=shards, figures=figures)
@@ -310,8 +328,19 @@ def promote_task(run_id: str, iteration: int) -> dict:
     return {"version": new_version, "body_s": body}
 
 
-@task(name="catalog", cache_policy=NO_CACHE)
-def catalog_task(run_id: str, iteration: int, version: int) -> int:
+@task(name="audit", cache_policy=NO_CACHE)
+def audit_task(run_id: str, iteration: int, version: int, figures: dict) -> None:
+    """After promotion, off the critical path: the iteration's catalog rows (`pipeline.catalog`) and its Prefect
+    markdown report (`tracking.prefect_artifacts`). One task, not two: every task run costs the Prefect server
+    CPU time (recording its state events), which on 2 cores is taken from rollout and training."""
+    s = session(run_id)
+    if s.cfg.pipeline.catalog:
+        catalog_iteration(run_id, iteration, version)
+    if s.cfg.tracking.prefect_artifacts:
+        markdown_report(run_id, iteration, figures)
+
+
+def catalog_iteration(run_id: str, iteration: int, version: int) -> int:
     """Index the iteration's trained samples (with their advantages) and shards in the LanceDB catalog."""
     import pyarrow as pa
 
@@ -351,13 +380,7 @@ def evaluate_task(run_id: str) -> float:
     return evaluate(session(run_id))
 
 
-@task(name="log", cache_policy=NO_CACHE)
-def log_task(run_id: str, step: int, metrics: dict) -> None:
-    session(run_id).tracker.log_metrics(metrics, step)
-
-
-@task(name="iteration-report", cache_policy=NO_CACHE)
-def markdown_report_task(run_id: str, iteration: int, figures: dict, worst: int = 5) -> None:
+def markdown_report(run_id: str, iteration: int, figures: dict, worst: int = 5) -> None:
     """A Prefect markdown artifact per iteration: version, reward statistics and the worst samples."""
     from prefect.artifacts import create_markdown_artifact
 

@@ -69,7 +69,7 @@ def test_run_triggered_through_the_deployment(tmp_path):
                     -3000:]
                 tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
                 names = {t.name.rsplit("-", 1)[0] for t in tasks}
-                assert {"plan", "rollout", "train", "promote", "log", "evaluate"} <= names, names
+                assert {"plan", "rollout", "train", "promote", "audit", "evaluate"} <= names, names
                 assert all(t.state.is_completed() for t in tasks), [(t.name, t.state.type) for t in tasks]
 
         from mlflow.tracking import MlflowClient

@@ -75,6 +75,9 @@ def test_two_iterations_through_prefect(tmp_path):
     for name in ("loss/policy", "entropy/mean", "mismatch/logp_abs", "perf/samples_per_s", "time/first_shard_s",
                  "perf/overhead_fraction", "staleness/max"):
         assert len(client.get_metric_history(run.info.run_id, name)) == 2, name
+    # once its rollouts were in, each batch finished with the idle worker's thread too (1 + 1 on 2 cores)
+    threads = client.get_metric_history(run.info.run_id, "train/threads")
+    assert [m.value for m in threads] == [float(min(os.cpu_count(), 2))] * 2
     # on-policy: the trainer's log-probs of the sampled tokens equal the engine's
     mismatch = client.get_metric_history(run.info.run_id, "mismatch/logp_abs")
     assert max(m.value for m in mismatch) < 1e-4
