@@ -174,11 +174,12 @@ class ResourcesSection(_Section):
     rollout_workers: int = Field(1, ge=1, le=256, description="Long-lived rollout worker processes.")
     rollout_threads: int = Field(1, ge=1, le=512, description="Torch threads per rollout worker.")
     train_threads: int = Field(1, ge=1, le=512, description="Torch threads of the trainer.")
-    borrow_rollout_threads: bool = Field(True, description="sync / periodic: once every rollout of the iteration "
+    borrow_rollout_threads: bool = Field(False, description="sync / periodic: once every rollout of the iteration "
         "is published, the workers idle until the next promotion, so the trainer finishes the batch (and the "
         "checkpoint save, and evaluation) with train_threads + rollout_workers x rollout_threads torch threads, at "
         "most the CPU count; back to train_threads when the next iteration's training starts. Never in async mode, "
-        "whose workers do not idle.")
+        "whose workers do not idle. Only for a run that has the machine to itself: beside other runs the borrowed "
+        "threads oversubscribe the cores (three demo runs at once went from ~3 s to 7-10 s per iteration).")
     api_server_nice: int = Field(10, ge=0, le=19, description="Niceness given to the ephemeral Prefect API server "
         "this run starts, so that rollout and training threads come first on a machine with few cores (its event "
         "recording lags instead); 0: leave it. A server you run yourself (PREFECT_API_URL) is never touched.")

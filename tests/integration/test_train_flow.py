@@ -18,7 +18,8 @@ from tests.integration.runs import all_samples, final_params, write_config
 
 def test_two_iterations_through_prefect(tmp_path):
     rid = f"flow2-{uuid.uuid4().hex[:8]}"  # Prefect artifacts outlive the test's lake: keys must be new
-    cfg = write_config(tmp_path, rid, {"run.iterations": 2, "lake.keep_optimizer_state": 1})
+    cfg = write_config(tmp_path, rid, {"run.iterations": 2, "lake.keep_optimizer_state": 1,
+                                         "resources.borrow_rollout_threads": True})
     summary = train_flow(config_path=cfg)
     lake_uri = str(tmp_path / "lake")
     lake = Lake(lake_uri)

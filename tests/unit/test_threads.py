@@ -18,11 +18,11 @@ def _cfg(**resources) -> Config:
 @pytest.mark.parametrize(
     ("cores", "resources", "expected"),
     [
-        (2, {}, 2),  # the demo: 1 trainer thread + 1 worker x 1 thread
-        (16, {"rollout_workers": 2, "rollout_threads": 3, "train_threads": 2}, 8),
-        (4, {"rollout_workers": 2, "rollout_threads": 3, "train_threads": 2}, 4),  # never more than the cores
-        (2, {"train_threads": 3}, 3),  # never fewer than its own, even on fewer cores
-        (16, {"borrow_rollout_threads": False, "rollout_threads": 4}, 1),
+        (2, {"borrow_rollout_threads": True}, 2),  # the demo: 1 trainer thread + 1 worker x 1 thread
+        (16, {"borrow_rollout_threads": True, "rollout_workers": 2, "rollout_threads": 3, "train_threads": 2}, 8),
+        (4, {"borrow_rollout_threads": True, "rollout_workers": 2, "rollout_threads": 3, "train_threads": 2}, 4),
+        (2, {"borrow_rollout_threads": True, "train_threads": 3}, 3),  # never fewer than its own
+        (16, {"rollout_threads": 4}, 1),  # off by default: other runs may share the machine
     ],
 )
 def test_idle_rollout_threads(monkeypatch, cores, resources, expected):
@@ -32,7 +32,7 @@ def test_idle_rollout_threads(monkeypatch, cores, resources, expected):
 
 def test_async_workers_never_idle(monkeypatch):
     monkeypatch.setattr(iteration.os, "cpu_count", lambda: 16)
-    cfg = _cfg(rollout_threads=4, train_threads=2)
+    cfg = _cfg(borrow_rollout_threads=True, rollout_threads=4, train_threads=2)
     cfg.pipeline.mode = "async"
     assert iteration.idle_rollout_threads(cfg) == 2
     cfg.pipeline.mode = "periodic"
