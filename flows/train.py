@@ -155,7 +155,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         progress_hook({"event": "start", "run_id": s.run_id, "iterations": cfg.run.iterations,
                        "start": start_iteration, "accuracy": acc0})
         history = []
-        indexing = None  # the catalog write of the previous iteration runs beside this one
+        audit = None  # the audit task of the previous iteration runs beside this one
         if cfg.pipeline.catalog:  # a crash may have cut a catalog write short: index those iterations again
             for rec in ledger.read_all(s.lake, s.run_id):
                 if rec["state"] == "promoted" and not rec.get("cataloged"):
@@ -174,14 +174,13 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
                 raise
             history.append(fig)
             progress_hook({"event": "iteration", "iteration": k, **fig})
-            for f in indexing or []:
-                f.result()
-            indexing = []  # off the critical path: these run while the next iteration does
-            if cfg.pipeline.catalog or cfg.tracking.prefect_artifacts:
-                indexing.append(audit_task.submit(s.run_id, k, s.version, fig))
+            if audit is not None:
+                audit.result()
+            if cfg.pipeline.catalog or cfg.tracking.prefect_artifacts:  # off the critical path: beside iteration k+1
+                audit = audit_task.submit(s.run_id, k, s.version, fig)
         _stop_serving(s, serving)
-        for f in indexing or []:
-            f.result()
+        if audit is not None:
+            audit.result()
         acc_final = evaluate_task(s.run_id)
         s.tracker.log_metrics({"eval/accuracy": acc_final}, step=cfg.run.iterations)
         wall = time.perf_counter() - t_start

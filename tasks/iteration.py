@@ -244,7 +244,6 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
         storage += time.perf_counter() - t_plan
     steps = BatchSteps(s.trainer, s.cfg, plan, s.version)
     torch.set_num_threads(s.cfg.resources.train_threads)  # the workers generate this iteration's rollouts
-    published = 0
     while groups_done < expected_groups:
         t0 = time.perf_counter()
         new = [p for p in list_shards(s, run_id, iteration) if p not in seen]
@@ -263,9 +262,8 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             table = read_shard(s.lake, path)
             landed.append((path, table.schema.metadata[b"lockstep.sha256"].decode(),
                            groups_of(table, s.cfg.rollout.group_size)))
-            published += len(landed[-1][2])
         storage += time.perf_counter() - t1
-        if published >= expected_groups:  # every rollout is in: the workers idle until the promotion
+        if groups_done + sum(len(g) for _, _, g in landed) >= expected_groups:  # all in: workers idle till promotion
             torch.set_num_threads(idle_rollout_threads(s.cfg))
         for path, checksum, groups in landed:
             t2 = time.perf_counter()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tasks.workers import WorkerError, WorkerPool, WorkerSpec
@@ -17,10 +15,9 @@ def _spec(tmp_path, model_dir: str) -> WorkerSpec:
 
 def test_unstartable_worker_fails_its_first_command(tmp_path):
     missing = tmp_path / "no-model-here"
-    t0 = time.perf_counter()
     pool = WorkerPool(1, _spec(tmp_path, str(missing)), start_timeout_s=120, wait_ready=False)
     try:
-        assert time.perf_counter() - t0 < 5.0  # returned before the worker imported torch and read its model
+        assert pool.ready == [False]  # returned without waiting for the worker's ready (or error) message
         with pytest.raises(WorkerError, match="rollout worker 0 failed") as err:
             pool.run(0, 0, str(tmp_path / "ckpt"))
         assert str(missing) in str(err.value)  # the worker's traceback names the directory it could not load
