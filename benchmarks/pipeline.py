@@ -8,16 +8,21 @@ then samples/s with 1 and 2 rollout workers at the same total thread count.
 
 Both modes get the whole machine: sync runs its phases one after the other, so each phase gets every core
 (`rollout_threads = train_threads = cores`); periodic runs them at once, so the cores are split between them.
+The two modes run `--repeats` times each in ABBA order (sync, periodic, periodic, sync, ...) and each figure is
+the median over the measured iterations of all repeats: this machine's speed drifts by tens of percent over
+minutes, which a single sync-then-periodic pair would read as a difference between the modes.
 
-    .venv/bin/python -m benchmarks.pipeline [--iterations 8] [--warmup 2]
+    .venv/bin/python -m benchmarks.pipeline [--iterations 8] [--warmup 2] [--repeats 2] [--dir DIR] [--skip-extras]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
+import time
 
 import yaml
 
@@ -45,6 +50,8 @@ def run(tmp: str, name: str, overrides: dict, iterations: int, full: bool = Fals
 
 
 def summarise(mode: str, history: list[dict], warmup: int, **extra) -> dict:
+    """Medians over the measured iterations of `history` (a run's, or several runs' concatenated per-run slices
+    when `warmup` is 0)."""
     h = history[warmup:]
     med = lambda key: statistics.median(x[key] for x in h)  # noqa: E731
     return {"mode": mode, "iterations_measured": len(h), "iteration_s": med("time/iteration_s"),
@@ -58,19 +65,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per mode (ABBA order)")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one); reusing one reuses the "
+                    "cached bootstrap")
+    ap.add_argument("--skip-extras", action="store_true", help="only sync vs periodic: no shared-prompt on/off, no "
+                    "1 vs 2 workers")
     args = ap.parse_args()
     cores = os.cpu_count() or 2
     total = args.iterations + args.warmup
-    with tempfile.TemporaryDirectory() as tmp:
-        sync = summarise("sync", run(tmp, "bench-sync", {"pipeline.mode": "sync", "resources.rollout_threads": cores,
-                                                        "resources.train_threads": cores}, total), args.warmup,
-                         rollout_threads=cores, train_threads=cores)
+    stamp = time.strftime("%Y%m%d%H%M%S")  # run ids stay unique in a reused directory
+    half = max(1, cores // 2)
+    modes = {"sync": {"pipeline.mode": "sync", "resources.rollout_threads": cores, "resources.train_threads": cores},
+             "periodic": {"pipeline.mode": "periodic", "resources.rollout_threads": half,
+                          "resources.train_threads": cores - half}}
+    order = [m for r in range(args.repeats) for m in (("sync", "periodic") if r % 2 == 0 else ("periodic", "sync"))]
+    with contextlib.nullcontext(args.dir) if args.dir else tempfile.TemporaryDirectory() as tmp:
+        measured: dict[str, list[dict]] = {"sync": [], "periodic": []}
+        for i, mode in enumerate(order):
+            measured[mode] += run(tmp, f"bench-{mode}-{i}-{stamp}", modes[mode], total)[args.warmup:]
+        sync = summarise("sync", measured["sync"], 0, rollout_threads=cores, train_threads=cores,
+                         repeats=args.repeats)
         emit(benchmark="pipeline", **sync)
-        half = max(1, cores // 2)
-        per = summarise("periodic", run(tmp, "bench-periodic", {"pipeline.mode": "periodic",
-                                                                "resources.rollout_threads": half,
-                                                                "resources.train_threads": cores - half}, total),
-                        args.warmup, rollout_threads=half, train_threads=cores - half)
+        per = summarise("periodic", measured["periodic"], 0, rollout_threads=half, train_threads=cores - half,
+                        repeats=args.repeats)
         emit(benchmark="pipeline", **per)
         bound = max(per["rollout_busy_s"], per["train_busy_s"]) + per["first_shard_s"] + per["sync_s"]
         emit(benchmark="pipeline", periodic_over_sync=per["iteration_s"] / sync["iteration_s"],
@@ -78,15 +95,17 @@ def main() -> None:
              targets={"periodic_over_sync<=0.7": per["iteration_s"] / sync["iteration_s"] <= 0.7,
                       "periodic_over_bound<=1.15": per["iteration_s"] / bound <= 1.15,
                       "overhead_fraction<=0.05": per["overhead_fraction"] <= 0.05})
+        if args.skip_extras:
+            return
         # the demo's train step with and without shared-prompt packing (periodic, demo resources)
         for shared in (False, True):
-            h = run(tmp, f"bench-shared-{shared}", {"train.shared_prompt": shared}, total)
+            h = run(tmp, f"bench-shared-{shared}-{stamp}", {"train.shared_prompt": shared}, total)
             emit(benchmark="pipeline", **summarise("periodic", h, args.warmup, shared_prompt=shared,
                                                    train_tokens_per_s=statistics.median(
                                                        x["perf/train_tokens_per_s"] for x in h[args.warmup:])))
         # 1 vs 2 rollout workers at the same total rollout thread count (sync mode isolates generation)
         for workers in (1, 2):
-            h = run(tmp, f"bench-w{workers}", {"pipeline.mode": "sync", "resources.rollout_workers": workers,
+            h = run(tmp, f"bench-w{workers}-{stamp}", {"pipeline.mode": "sync", "resources.rollout_workers": workers,
                                                "resources.rollout_threads": max(1, cores // workers),
                                                "resources.train_threads": cores}, total)
             emit(benchmark="pipeline", **summarise("sync", h, args.warmup, rollout_workers=workers,

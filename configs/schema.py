@@ -166,6 +166,10 @@ class PipelineSection(_Section):
     mode: Literal["sync", "periodic", "async"] = Field("periodic", description="sync | periodic | async (DESIGN.md).")
     shard_groups: int = Field(4, ge=1, description="Groups per published shard (and per generation batch).")
     max_staleness: int = Field(0, ge=0, description="async: max versions a trained token may lag the trainer.")
+    push_weights: bool = Field(True, description="sync / periodic with the builtin engine: each new version reaches "
+                               "the rollout workers through shared memory and its checkpoint is written and "
+                               "promoted beside the next iteration, off the critical path (false: workers load "
+                               "every version from its promoted checkpoint, written first).")
     catalog: bool = Field(True, description="Index every trained sample and shard in the run's LanceDB catalog.")
     catalog_compact_every: int = Field(10, ge=0, description="Compact the catalog every N versions (0: never).")
 

@@ -179,6 +179,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             if cfg.pipeline.catalog or cfg.tracking.prefect_artifacts:  # off the critical path: beside iteration k+1
                 audit = audit_task.submit(s.run_id, k, s.version, fig)
         _stop_serving(s, serving)
+        s.wait_saved()  # the last version is durable and promoted
         if audit is not None:
             audit.result()
         acc_final = evaluate_task(s.run_id)
@@ -202,6 +203,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         atomic_write_bytes(s.lake, s.run_id, path, json.dumps(summary, indent=2).encode())
         summary["summary_path"] = s.lake.url(path)
         _log_artifacts(s, history, acc0, acc_final)
+        s.tracker.flush()  # every metric is in MLflow before the run reports success
         progress_hook({"event": "done", **summary})
         status = "FINISHED"
         return {**summary, "history": history}

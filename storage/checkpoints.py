@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,16 +30,45 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+def _optimizer_tensors(optimizer: torch.optim.Optimizer, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
     sd = optimizer.state_dict()
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                tensors[f"{pid}.{k}"] = v.detach().contiguous().cpu()
+                t = v.detach().contiguous().cpu()
+                tensors[f"{pid}.{k}"] = t.clone() if copy and t.data_ptr() == v.data_ptr() else t
             else:
                 scalars[f"{pid}.{k}"] = v
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+@dataclass(frozen=True)
+class TrainerSnapshot:
+    """What a checkpoint holds, taken at one instant: weights, optimizer state, torch RNG state. With copies,
+    it can be written while training goes on (the checkpoint of version v written beside iteration v)."""
+
+    weights: dict[str, torch.Tensor]  # a state dict; tied entries share one tensor, as in the model
+    optimizer: tuple[dict[str, torch.Tensor], dict] | None
+    rng: torch.Tensor
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, copy: bool = False
+             ) -> TrainerSnapshot:
+    """The model's and optimizer's state now; with `copy`, detached from later updates (~3 copies of the
+    weights' bytes: weights plus AdamW's two moments)."""
+    weights: dict[str, torch.Tensor] = {}
+    copies: dict[tuple, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        if copy:  # one copy per storage, so tied weights stay tied and are saved once
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if key not in copies:
+                copies[key] = t.to("cpu", copy=True)
+            t = copies[key]
+        weights[name] = t
+    opt = _optimizer_tensors(optimizer, copy=copy) if optimizer is not None else None
+    return TrainerSnapshot(weights, opt, torch.get_rng_state())
 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -52,20 +82,21 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torc
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def _write_model_dir(local: str, model, tokenizer, optimizer, extra_state: dict | None) -> None:
-    """Weights, tokenizer, trainer state and a MANIFEST of sha256 digests into the local folder `local`."""
+def _write_model_dir(local: str, model, tokenizer, snap: TrainerSnapshot, extra_state: dict | None) -> None:
+    """Weights, tokenizer, trainer state and a MANIFEST of sha256 digests into the local folder `local`. The
+    tensors come from `snap`; the model gives only its config (and the HF saving logic)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model.save_pretrained(local, safe_serialization=True)
+    model.save_pretrained(local, safe_serialization=True, state_dict=snap.weights)
     tokenizer.save_pretrained(local)
     state_dir = Path(local, "trainer_state")
     state_dir.mkdir(exist_ok=True)
-    if optimizer is not None:
-        tensors, meta = _optimizer_tensors(optimizer)
+    if snap.optimizer is not None:
+        tensors, meta = snap.optimizer
         Path(state_dir, "optimizer.safetensors").write_bytes(st_save(tensors))
         Path(state_dir, "optimizer.json").write_text(json.dumps(meta))
-    Path(state_dir, "rng.safetensors").write_bytes(st_save({"torch": torch.get_rng_state()}))
+    Path(state_dir, "rng.safetensors").write_bytes(st_save({"torch": snap.rng}))
     Path(state_dir, "state.json").write_text(json.dumps(extra_state or {}))
     manifest = {
         str(p.relative_to(local)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -87,17 +118,20 @@ def save_model_dir(
     tokenizer,
     optimizer: torch.optim.Optimizer | None = None,
     extra_state: dict | None = None,
+    snap: TrainerSnapshot | None = None,
 ) -> str:
-    """Write a complete HF directory (weights, tokenizer, trainer state, MANIFEST) to `final` through `tmp`.
+    """Write a complete HF directory (weights, tokenizer, trainer state, MANIFEST) to `final` through `tmp`;
+    the tensors of `snap` if given (`model` and `optimizer` as they are now otherwise).
 
     Files go to the temporary path first and are moved into place as a whole: a crash leaves at most a stray
     temporary folder, never a half-written directory under its final name.
     """
+    snap = snap or snapshot(model, optimizer)
     fs = lake.fs
     if lake.is_local:  # build the folder in the lake's own _tmp/ (same filesystem), then one rename
         os.makedirs(tmp, exist_ok=True)
         try:
-            _write_model_dir(tmp, model, tokenizer, optimizer, extra_state)
+            _write_model_dir(tmp, model, tokenizer, snap, extra_state)
             faults.point("mid-checkpoint")
             if fs.exists(final):  # an earlier attempt finished the move but was not promoted: replace it
                 shutil.rmtree(final)
@@ -107,7 +141,7 @@ def save_model_dir(
             shutil.rmtree(tmp, ignore_errors=True)
         return final
     with tempfile.TemporaryDirectory(prefix="lockstep-ckpt-") as local:
-        _write_model_dir(local, model, tokenizer, optimizer, extra_state)
+        _write_model_dir(local, model, tokenizer, snap, extra_state)
         if fs.exists(final):
             fs.rm(final, recursive=True)
         fs.put(local, tmp, recursive=True)
@@ -123,6 +157,7 @@ def save_checkpoint(
     tokenizer,
     optimizer: torch.optim.Optimizer | None = None,
     extra_state: dict | None = None,
+    snap: TrainerSnapshot | None = None,
 ) -> str:
     """Write checkpoint v{version} of a run completely and return its path (not yet promoted)."""
     return save_model_dir(
@@ -133,6 +168,7 @@ def save_checkpoint(
         tokenizer,
         optimizer,
         {"version": version, **(extra_state or {})},
+        snap,
     )
 
 

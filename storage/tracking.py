@@ -2,12 +2,17 @@
 
 Calls go through an explicit `MlflowClient` and run id (no global "active run"), so tasks on any thread
 can log. The default backend is a SQLite file; MLflow 3 refuses the plain file store.
+
+Per-iteration metrics are written by one background thread, in order, off the iteration's critical path (each
+batch is a SQLite transaction, ~10 ms on 2 cores); `flush` and `finish` wait for them and raise the first error.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mlflow.entities import Metric, Param
@@ -18,7 +23,9 @@ from mlflow.tracking import MlflowClient
 class Tracker:
     client: MlflowClient | None
     run_id: str | None
-    seconds: float = field(default=0.0)  # time spent in tracking calls (part of overhead_fraction)
+    seconds: float = field(default=0.0)  # time the caller spent in tracking calls (part of overhead_fraction)
+    _writer: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _pending: list[Future] = field(default_factory=list, repr=False)
 
     @classmethod
     def start(cls, uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None) -> Tracker:
@@ -56,8 +63,29 @@ class Tracker:
             return
         t0 = time.perf_counter()
         ts = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items()]
+        self._raise_failed()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-mlflow")
+        self._pending.append(self._writer.submit(self.client.log_batch, self.run_id, metrics=batch))
         self.seconds += time.perf_counter() - t0
+
+    def _raise_failed(self) -> None:
+        """Forget written batches; raise the error of the first one that failed."""
+        done = [f for f in self._pending if f.done()]
+        self._pending = [f for f in self._pending if not f.done()]
+        for f in done:
+            f.result()
+
+    def flush(self) -> None:
+        """Wait until every metric logged so far is written (raises the first write error)."""
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        try:
+            for f in pending:
+                f.result()
+        finally:
+            self.seconds += time.perf_counter() - t0
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         if self.client is None:
@@ -67,5 +95,21 @@ class Tracker:
         self.seconds += time.perf_counter() - t0
 
     def finish(self, status: str = "FINISHED") -> None:
-        if self.client is not None:
-            self.client.set_terminated(self.run_id, status=status)
+        """Write what is still queued, then close the MLflow run. A queued write that failed marks the run FAILED
+        and is raised, unless the run is already failing (its own error is the one to report)."""
+        if self.client is None:
+            return
+        error = None
+        try:
+            self.flush()
+        except Exception as e:
+            if status != "FINISHED":
+                logging.getLogger("lockstep").warning("MLflow: queued metrics of failing run %s not written: %s",
+                                                      self.run_id, e)
+            error, status = (e if status == "FINISHED" else None), "FAILED"
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        self.client.set_terminated(self.run_id, status=status)
+        if error is not None:
+            raise error

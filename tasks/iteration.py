@@ -7,6 +7,7 @@ live in-memory state, and what a resume may skip is decided by the ledger in the
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 
@@ -88,7 +89,7 @@ def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]
 def rollout_task(run_id: str, iteration: int, worker: int) -> dict:
     """One rollout worker drains the iteration's chunk queue; returns its shards and busy time."""
     s = session(run_id)
-    return s.pool.run(worker, s.version, s.lake.checkpoint_dir(run_id, s.version))
+    return s.pool.run(worker, s.version, s.weights_source())
 
 
 @task(name="rollout-serve", cache_policy=NO_CACHE)
@@ -305,25 +306,48 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
 
 @task(name="promote", cache_policy=NO_CACHE)
 def promote_task(run_id: str, iteration: int) -> dict:
-    """Save the new version's checkpoint with optimizer state, verify it, promote it; workers load it next."""
+    """Make the new version the workers' next one and save its checkpoint with optimizer state, verified and
+    promoted. With shared weights (`pipeline.push_weights`) the workers get the version from memory and the
+    checkpoint is written beside the next iteration (the previous one's write is awaited first); otherwise the
+    checkpoint is written and promoted here and the workers load it."""
     s = session(run_id)
     t0 = time.perf_counter()
     new_version = s.version + 1
-    checkpoints.save_checkpoint(s.lake, run_id, new_version, s.trainer.model, s.tokenizer, s.trainer.optimizer,
-                                {"iteration": iteration})
-    faults.point("before-promote")
-    checkpoints.promote(s.lake, run_id, new_version)
-    faults.point("after-promote")
+    if s.weights is None:
+        _save_and_promote(s, iteration, new_version, checkpoints.snapshot(s.trainer.model, s.trainer.optimizer))
+    else:
+        s.wait_saved()  # at most one checkpoint in flight: v(k) is durable before v(k+1) is pushed
+        snap = checkpoints.snapshot(s.trainer.model, s.trainer.optimizer, copy=True)
+        s.weights.write(s.trainer.model)
+        s.save_in_background(new_version, lambda: _save_and_promote(s, iteration, new_version, snap))
     s.version = new_version
-    keep = s.cfg.lake.keep_optimizer_state
-    if keep and new_version - keep >= 0:  # the newest `keep` versions, the promoted one among them, keep theirs
-        checkpoints.prune_optimizer_state(s.lake, run_id, new_version - keep)
-    if s.cfg.pipeline.mode == "async":  # serving workers load it between chunks (or decoding steps)
-        s.pool.announce(new_version, s.lake.checkpoint_dir(run_id, new_version))
-    ledger.write_record(s.lake, run_id, iteration, "promoted", promoted_version=new_version)
     body = time.perf_counter() - t0
     s.storage_s += body
     return {"version": new_version, "body_s": body}
+
+
+def _save_and_promote(s, iteration: int, version: int, snap: checkpoints.TrainerSnapshot) -> None:
+    """Write checkpoint v{version} from `snap`, verify and promote it, prune old optimizer state, record it. A
+    failure marks the iteration failed (the previous version stays promoted) and is raised."""
+    run_id = s.run_id
+    try:
+        checkpoints.save_checkpoint(s.lake, run_id, version, s.trainer.model, s.tokenizer,
+                                    extra_state={"iteration": iteration}, snap=snap)
+        faults.point("before-promote")
+        checkpoints.promote(s.lake, run_id, version)
+        faults.point("after-promote")
+    except Exception as e:
+        rec = ledger.read_record(s.lake, run_id, iteration)
+        if rec is not None and rec["state"] == "trained":
+            ledger.write_record(s.lake, run_id, iteration, "failed",
+                                reason=f"checkpoint v{version}: {type(e).__name__}: {e}"[:2000])
+        raise
+    keep = s.cfg.lake.keep_optimizer_state
+    if keep and version - keep >= 0:  # the newest `keep` versions, the promoted one among them, keep theirs
+        checkpoints.prune_optimizer_state(s.lake, run_id, version - keep)
+    if s.cfg.pipeline.mode == "async":  # serving workers load it between chunks (or decoding steps)
+        s.pool.announce(version, s.lake.checkpoint_dir(run_id, version))
+    ledger.write_record(s.lake, run_id, iteration, "promoted", promoted_version=version)
 
 
 @task(name="audit", cache_policy=NO_CACHE)
@@ -332,6 +356,11 @@ def audit_task(run_id: str, iteration: int, version: int, figures: dict) -> None
     markdown report (`tracking.prefect_artifacts`). One task, not two: every task run costs the Prefect server
     CPU time (recording its state events), which on 2 cores is taken from rollout and training."""
     s = session(run_id)
+    saving = s.saving
+    if saving is not None and saving[0] <= version:  # the record must be final (promoted) before it is annotated
+        concurrent.futures.wait([saving[1]])
+        if saving[1].exception() is not None:  # not promoted: the flow raises the error; resume retrains it
+            return
     if s.cfg.pipeline.catalog:
         catalog_iteration(run_id, iteration, version)
     if s.cfg.tracking.prefect_artifacts:

@@ -10,6 +10,10 @@ Sync / periodic: a worker drains one iteration's chunks on that iteration's vers
 serves for the whole run (`serve`): it takes chunks of later batches as they are planned, starts a chunk of
 batch j only on a version >= j - max_staleness (admission control), and loads each promoted version as it is
 announced - between chunks, or between decoding steps with `interrupt_on_update`.
+
+A new version reaches the workers either from its checkpoint in the lake, or (sync / periodic, builtin engine,
+`pipeline.push_weights`) pushed through one shared-memory file (`SharedWeights`) the trainer writes after the
+optimizer step and every worker maps; the checkpoint is then written off the critical path.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import tempfile
 import threading
 import time
 import traceback
@@ -45,6 +50,83 @@ class WorkerSpec:
     prompts: list[tuple[int, str, str, list[int]]] = field(repr=False)  # (prompt_id, text, answer, token ids)
     engine: str = "builtin"  # builtin | vllm
     vllm: dict = field(default_factory=dict)  # VLLMEngine keyword arguments
+
+
+_MAPPED: dict[str, object] = {}  # SharedWeights file -> this process's mapping of it (a uint8 tensor)
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """A model's parameters in one file in shared memory (`/dev/shm` where there is one), mapped by the trainer and
+    by every colocated rollout worker: a new version reaches the workers with one copy each way, without a
+    checkpoint written or read on the critical path. Picklable (a path and a layout); each process maps it once.
+
+    Only the trainer writes, and only while no worker reads: in sync / periodic mode the workers load at the
+    start of an iteration, and the trainer writes after the iteration's last rollout has returned."""
+
+    path: str
+    layout: tuple[tuple[str, int, tuple[int, ...], str], ...]  # (parameter name, byte offset, shape, dtype)
+    nbytes: int
+
+    @classmethod
+    def create(cls, model, directory: str | None = None) -> SharedWeights:
+        layout, offset = [], 0
+        for name, p in model.named_parameters():  # tied parameters appear once
+            layout.append((name, offset, tuple(p.shape), str(p.dtype).removeprefix("torch.")))
+            offset += -(-p.numel() * p.element_size() // 64) * 64  # 64-byte aligned views
+        if directory is None:
+            directory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+                else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="lockstep-weights-", suffix=".bin", dir=directory)
+        try:
+            os.ftruncate(fd, max(offset, 1))
+        finally:
+            os.close(fd)
+        return cls(path, tuple(layout), max(offset, 1))
+
+    def _views(self) -> dict:
+        import torch
+
+        buf = _MAPPED.get(self.path)
+        if buf is None:
+            buf = _MAPPED[self.path] = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+        views = {}
+        for name, offset, shape, dtype in self.layout:
+            dt = getattr(torch, dtype)
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+            views[name] = buf[offset : offset + n].view(dt).view(shape)
+        return views
+
+    def _pairs(self, model) -> list:
+        params = dict(model.named_parameters())
+        views = self._views()
+        if set(params) != set(views) or any(params[k].shape != views[k].shape for k in views):
+            raise RuntimeError(f"shared weights {self.path}: the model's parameters ({len(params)}) do not match "
+                               f"the layout ({len(views)}): the worker and the trainer built different models")
+        return [(params[k], views[k]) for k in views]
+
+    def write(self, model) -> None:
+        """Trainer side: copy the model's parameters in."""
+        import torch
+
+        with torch.no_grad():
+            for p, v in self._pairs(model):
+                v.copy_(p.detach())
+
+    def read_into(self, model) -> None:
+        """Worker side: copy the parameters out into the live model."""
+        import torch
+
+        with torch.no_grad():
+            for p, v in self._pairs(model):
+                p.copy_(v)
+
+    def unlink(self) -> None:
+        _MAPPED.pop(self.path, None)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 @dataclass(frozen=True)
@@ -99,17 +181,20 @@ class _Worker:
         self.serving = False  # async: until told to stop (a stop seen mid-chunk is kept here, never lost)
         self.exiting = False  # told to exit while serving
 
-    def load(self, version: int, ckpt_path: str) -> None:
+    def load(self, version: int, source: str | SharedWeights) -> None:
+        """Hold `version`: from its checkpoint's path in the lake, or from the trainer's shared weights."""
         from storage import checkpoints
 
         if version != self.version:
             t0 = time.perf_counter()
-            if self.vllm is not None:  # vLLM reads a local directory inside its own worker processes
-                import tempfile
-
-                self.vllm.load_checkpoint(checkpoints.local_copy(self.lake, ckpt_path, tempfile.gettempdir()))
+            if isinstance(source, SharedWeights):
+                if self.vllm is not None:
+                    raise RuntimeError("shared-memory weights are for the builtin engine; vLLM loads checkpoints")
+                source.read_into(self.model)
+            elif self.vllm is not None:  # vLLM reads a local directory inside its own worker processes
+                self.vllm.load_checkpoint(checkpoints.local_copy(self.lake, source, tempfile.gettempdir()))
             else:
-                checkpoints.load_into(self.model, checkpoints.load_weights(self.lake, ckpt_path))
+                checkpoints.load_into(self.model, checkpoints.load_weights(self.lake, source))
             self.version = version
             self.load_s += time.perf_counter() - t0
         if self.pending is not None and self.pending[0] <= version:
@@ -157,10 +242,10 @@ class _Worker:
                 chunk.iteration, "gen_tokens": gen_tokens, "gen_s": t1 - t0, "storage_s": t2 - t1,
                 "published_at": time.time()}
 
-    def iterate(self, version: int, ckpt_path: str, work) -> dict:
+    def iterate(self, version: int, source: str | SharedWeights, work) -> dict:
         """Sync / periodic: load `version`, drain the iteration's chunks up to a stop marker."""
         self.load_s = 0.0
-        self.load(version, ckpt_path)
+        self.load(version, source)
         busy = storage_s = 0.0
         shards = []
         while True:
@@ -315,10 +400,11 @@ class WorkerPool:
         for _ in range(self.n):
             self.work.put(_STOP)
 
-    def run(self, worker: int, version: int, checkpoint_path: str, timeout_s: float = 3600.0) -> dict:
-        """Have `worker` load `version` (if it holds another) and drain the queue; blocks until it is done."""
+    def run(self, worker: int, version: int, source: str | SharedWeights, timeout_s: float = 3600.0) -> dict:
+        """Have `worker` load `version` (if it holds another) from `source` (its checkpoint's path, or the shared
+        weights) and drain the queue; blocks until it is done."""
         self._await_ready(worker)
-        self.commands[worker].put(("iterate", version, checkpoint_path))
+        self.commands[worker].put(("iterate", version, source))
         return self._expect(worker, "done", timeout_s)
 
     def serve(self, worker: int, version: int, checkpoint_path: str, max_staleness: int, interrupt: bool,

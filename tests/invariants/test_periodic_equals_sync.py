@@ -1,6 +1,9 @@
 """Periodic asynchrony equals synchronous training (DESIGN.md, Propositions 1-2).
 
 Same seed, 3 iterations: the rollouts must be token-identical and the parameters equal within 1e-5 (fp32).
+The sync run's workers load each version from its promoted checkpoint (`pipeline.push_weights: false`), the
+periodic run's get it through shared memory while the checkpoint is written in the background: both weight
+paths are covered by the same assertion.
 Negative control: a trainer that trains one shard twice (what a watcher that re-reads a shard would do)
 must break the same assertion, so the test can tell a wrong pipeline from a right one.
 """
@@ -27,7 +30,7 @@ def _run(tmp_path, name, mode, **extra):
 
 
 def test_periodic_equals_sync_and_negative_control(tmp_path, monkeypatch):
-    sync_params, sync_samples = _run(tmp_path, "sync", "sync")
+    sync_params, sync_samples = _run(tmp_path, "sync", "sync", **{"pipeline.push_weights": False})
     per_params, per_samples = _run(tmp_path, "periodic", "periodic")
     v0 = final_params(str(tmp_path / "lake"), "sync", 0)
 

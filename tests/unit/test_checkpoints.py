@@ -24,6 +24,7 @@ from storage.checkpoints import (
     promoted_version,
     prune_optimizer_state,
     save_checkpoint,
+    snapshot,
     verify_checkpoint,
 )
 from storage.lake import Lake, validate_run_id
@@ -326,3 +327,39 @@ def test_validate_run_id_rejects_in_paths(lake):
 @pytest.mark.parametrize("good", ["arith-tiny-20250101T000000Z", "a", "A.b_c-1", "x" * 128])
 def test_validate_run_id_accepts(good):
     assert validate_run_id(good) == good
+
+
+# ------------------------------------------------------------------------------------------------ snapshots
+
+
+def test_copied_snapshot_saves_the_state_of_its_instant(tiny_hf, lake, tmp_path):
+    """A checkpoint written in the background from `snapshot(copy=True)` holds the weights, optimizer moments
+    and RNG state of the moment the snapshot was taken, byte for byte what a save at that moment writes, however
+    the model trains meanwhile."""
+    model = tiny_hf.model
+    opt = train_steps(model, steps=2)
+    torch.manual_seed(7)
+    snap = snapshot(model, opt, copy=True)
+    direct = save_checkpoint(lake, RUN, 1, model, tiny_hf.tokenizer, optimizer=opt)  # the same instant, live
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train_steps_with(model, opt)  # training goes on
+    torch.rand(3)
+    assert max(float((model.state_dict()[k] - before[k]).abs().max()) for k in before) > 1e-4
+    later = save_checkpoint(lake, RUN, 2, model, tiny_hf.tokenizer, optimizer=opt, snap=snap)
+    for rel in ("model.safetensors", "trainer_state/optimizer.safetensors", "trainer_state/rng.safetensors"):
+        assert Path(later, rel).read_bytes() == Path(direct, rel).read_bytes(), rel
+    loaded = AutoModelForCausalLM.from_pretrained(later)
+    assert all(torch.equal(loaded.state_dict()[k], before[k]) for k in before)
+    # tied embeddings stay tied (saved once), as in a save of the live model
+    assert loaded.get_output_embeddings().weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
+
+
+def test_uncopied_snapshot_follows_the_model(tiny_hf):
+    """Without `copy` a snapshot is a view (the synchronous path saves at once and needs no copy)."""
+    model = tiny_hf.model
+    opt = train_steps(model, steps=1)
+    view, copied = snapshot(model, opt), snapshot(model, opt, copy=True)
+    train_steps_with(model, opt)
+    name = "model.embed_tokens.weight"
+    assert torch.equal(view.weights[name], model.state_dict()[name])
+    assert not torch.equal(copied.weights[name], model.state_dict()[name])

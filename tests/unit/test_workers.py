@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tasks.workers import WorkerError, WorkerPool, WorkerSpec
@@ -50,3 +52,40 @@ def test_stop_right_after_serve_is_never_lost(tmp_path, tiny_hf):
         assert result["shards"] == 0 and pool.ready == [True]
     finally:
         pool.close()
+
+
+def test_shared_weights_carry_a_version_between_mappings(tmp_path, tiny_hf):
+    """The trainer writes its parameters into the shared file; another mapping of it (a worker's, here a
+    pickled copy with the process's mapping cache cleared) reads them into a different model exactly."""
+    import pickle
+
+    import torch
+
+    import tasks.workers
+    from models.tiny import build_char_tokenizer, build_tiny_model
+    from tasks.workers import SharedWeights
+    from tests.conftest import TINY
+
+    trainer_model = tiny_hf.model
+    shared = SharedWeights.create(trainer_model, str(tmp_path))
+    try:
+        n_params = len(dict(trainer_model.named_parameters()))
+        assert len(shared.layout) == n_params  # tied embeddings: one entry
+        worker_model = build_tiny_model(len(build_char_tokenizer()), seed=1, **TINY)
+        name = "model.layers.0.mlp.up_proj.weight"
+        assert not torch.equal(dict(worker_model.named_parameters())[name], dict(trainer_model.named_parameters())[name])
+        with torch.no_grad():
+            for p in trainer_model.parameters():
+                p.add_(0.25)  # a "new version"
+        shared.write(trainer_model)
+        remote = pickle.loads(pickle.dumps(shared))
+        tasks.workers._MAPPED.clear()  # as in another process: map the file afresh
+        remote.read_into(worker_model)
+        for (n, a), (_, b) in zip(trainer_model.state_dict().items(), worker_model.state_dict().items()):
+            assert torch.equal(a, b), n
+        other = build_tiny_model(len(build_char_tokenizer()), seed=0, **{**TINY, "num_layers": 1})
+        with pytest.raises(RuntimeError, match="do not match the layout"):
+            remote.read_into(other)
+    finally:
+        shared.unlink()
+    assert shared.path.startswith(str(tmp_path)) and not os.path.exists(shared.path)
