@@ -55,6 +55,30 @@ class WorkerSpec:
 _MAPPED: dict[str, object] = {}  # SharedWeights file -> this process's mapping of it (a uint8 tensor)
 
 
+def remove_orphaned_weights(directory: str) -> list[str]:
+    """Delete shared-weights files whose creating process is gone (a SIGKILLed run cannot unlink its file, and
+    in `/dev/shm` a model-sized file holds memory until someone does). Returns the removed paths."""
+    removed = []
+    for name in os.listdir(directory):
+        parts = name.split("-")
+        if not (name.startswith("lockstep-weights-") and name.endswith(".bin") and len(parts) >= 4
+                and parts[2].isdigit()):
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue  # its process is alive (or the pid was reused: then the file stays, harmlessly)
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 @dataclass(frozen=True)
 class SharedWeights:
     """A model's parameters in one file in shared memory (`/dev/shm` where there is one), mapped by the trainer and
@@ -77,7 +101,8 @@ class SharedWeights:
         if directory is None:
             directory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
                 else tempfile.gettempdir()
-        fd, path = tempfile.mkstemp(prefix="lockstep-weights-", suffix=".bin", dir=directory)
+        remove_orphaned_weights(directory)
+        fd, path = tempfile.mkstemp(prefix=f"lockstep-weights-{os.getpid()}-", suffix=".bin", dir=directory)
         try:
             os.ftruncate(fd, max(offset, 1))
         finally:
