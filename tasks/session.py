@@ -52,6 +52,8 @@ class RunSession:
     shard_info: dict[str, dict] = field(default_factory=dict)  # async: generation figures per published shard
     weights: SharedWeights | None = None  # `pipeline.push_weights`: how new versions reach the workers
     saving: tuple[int, Future] | None = None  # the version whose checkpoint is being written in the background
+    held: list = field(default_factory=list)  # background work held back until `release` (callables)
+    _unstarted_save: tuple | None = field(default=None, repr=False)  # (version, fn): a write not started yet
     _saver: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def weights_source(self) -> str | SharedWeights:
@@ -59,13 +61,38 @@ class RunSession:
         return self.weights if self.weights is not None else self.lake.checkpoint_dir(self.run_id, self.version)
 
     def save_in_background(self, version: int, fn) -> None:
-        """Write (and promote) checkpoint v{version} with `fn` on the session's one writer thread."""
+        """Write (and promote) checkpoint v{version} with `fn` on the session's one writer thread, started at the
+        next `release` (or `wait_saved`)."""
+        self._unstarted_save = (version, fn)
+
+    def hold(self, fn) -> None:
+        """Run `fn` (a submission of background work) at the next `release`."""
+        self.held.append(fn)
+
+    def release(self) -> None:
+        """Start the background work held since the last release: the checkpoint write, then `hold`'s callables.
+
+        The flow calls it once an iteration's rollouts are dispatched, where its own thread only waits for the
+        first shard. Started at once, the Python work of those threads (checkpoint serialisation, catalog,
+        markdown report) took the GIL from the plan and the promotion, which run on the critical path: the plan
+        task's body took 6.4 ms beside them and 2.6 ms alone (demo config, 2 cores)."""
+        self._start_save()
+        held, self.held = self.held, []
+        for fn in held:
+            fn()
+
+    def _start_save(self) -> None:
+        if self._unstarted_save is None:
+            return
+        (version, fn), self._unstarted_save = self._unstarted_save, None
         if self._saver is None:
             self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-checkpoint")
         self.saving = (version, self._saver.submit(fn))
 
     def wait_saved(self, version: int | None = None) -> None:
-        """Block until the background checkpoint (of `version` or older; any if None) is promoted; raise its error."""
+        """Block until the background checkpoint (of `version` or older; any if None) is promoted, starting it if
+        it was held; raise its error."""
+        self._start_save()
         if self.saving is not None and (version is None or self.saving[0] <= version):
             pending, self.saving = self.saving, None
             pending[1].result()

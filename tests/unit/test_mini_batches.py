@@ -122,3 +122,25 @@ def test_an_incomplete_batch_a_stranger_or_a_repeated_group_is_refused(setup):
 def test_bad_mini_batch_configs_are_refused(overrides, reason):
     with pytest.raises(ConfigError, match=reason):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_before_step_runs_before_every_optimizer_step_and_sees_the_weights_unchanged(setup, m):
+    """The train task waits there for the checkpoint being written from the live tensors (zero-copy snapshot):
+    the hook must run before each step, while the weights are still those the batch started from."""
+    model, groups = setup
+    model = copy.deepcopy(model)
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = PolicyTrainer(model, None, lr=3e-2, grad_clip=None)
+    seen: list[float] = []  # max |w - start| each time the hook runs
+    steps_before: list[int] = []
+    steps = BatchSteps(trainer, _cfg(m), PLAN, version=0, before_step=lambda: (
+        seen.append(max(float((p - s).abs().max()) for p, s in zip(model.parameters(), start))),
+        steps_before.append(len(steps.steps))))
+    for i in range(0, 8, 2):
+        steps.add([groups[p] for p in PLAN[i : i + 2]])
+    steps.finish()
+    assert steps_before == list(range(m))  # once per step, each time before that step was taken
+    assert seen[0] == 0.0  # the first hook: nothing has moved the weights yet
+    if m == 2:
+        assert seen[1] > 0.0  # the second: after the first step (the hook is not called once up front)

@@ -1,0 +1,60 @@
+"""The session's background work: a checkpoint write and the audit submissions are held until `release` (the flow
+releases them once the next iteration's rollouts are dispatched), and `wait_saved` starts a held write itself."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tasks.session import RunSession
+
+
+def _session() -> RunSession:
+    # only the background-work fields are used here; the heavy objects are not needed
+    return RunSession(*(None,) * 11, version=0, device=None)
+
+
+def _shutdown(s: RunSession) -> None:
+    if s._saver is not None:
+        s._saver.shutdown(wait=True)
+
+
+def test_held_work_starts_at_release_save_first():
+    s = _session()
+    started = threading.Event()
+    audit_saw: list = []  # what the held callable found: the write already started (an audit waits for it)
+    s.save_in_background(1, started.set)
+    s.hold(lambda: audit_saw.append(s.saving))
+    assert not started.wait(0.2) and audit_saw == [] and s.saving is None  # nothing runs before the release
+    s.release()
+    assert audit_saw and audit_saw[0] is not None and audit_saw[0][0] == 1
+    s.wait_saved()
+    assert started.is_set() and s.saving is None and s.held == []
+    _shutdown(s)
+
+
+def test_wait_saved_starts_a_held_write_and_raises_its_error():
+    s = _session()
+
+    def fail():
+        raise OSError("disk full")
+
+    s.save_in_background(2, fail)
+    with pytest.raises(OSError, match="disk full"):
+        s.wait_saved()
+    assert s.saving is None
+    _shutdown(s)
+
+
+def test_wait_saved_for_an_older_version_does_not_wait_for_a_newer_write():
+    s = _session()
+    gate = threading.Event()
+    s.save_in_background(3, gate.wait)
+    s.release()
+    s.wait_saved(version=2)  # v3 is still being written: returns at once
+    assert s.saving is not None and s.saving[0] == 3
+    gate.set()
+    s.wait_saved(version=3)
+    assert s.saving is None
+    _shutdown(s)
