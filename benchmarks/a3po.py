@@ -19,12 +19,10 @@ machine).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
-import tempfile
 import time
 
-from benchmarks.common import emit
+from benchmarks.common import emit, work_dir
 from benchmarks.pipeline import run, summarise
 
 METHODS = ("loglinear", "recompute")
@@ -43,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     total = args.iterations + args.warmup
     stamp = time.strftime("%Y%m%d%H%M%S")  # run ids stay unique in a reused directory
-    with contextlib.nullcontext(args.dir) if args.dir else tempfile.TemporaryDirectory() as tmp:
+    with work_dir(args.dir) as tmp:
         if not args.skip_timing:
             timing(tmp, stamp, total, args)
         for S in args.accuracy_staleness:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
@@ -17,6 +20,17 @@ def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> 
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def work_dir(path: str | None) -> Iterator[str]:
+    """`path` (created if missing; kept, so a rerun reuses its cached bootstrap), or a temporary directory."""
+    if path:
+        os.makedirs(path, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield tmp
 
 
 def emit(**figures) -> None:

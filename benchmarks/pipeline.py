@@ -18,15 +18,13 @@ minutes, which a single sync-then-periodic pair would read as a difference betwe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
-import tempfile
 import time
 
 import yaml
 
-from benchmarks.common import emit
+from benchmarks.common import emit, work_dir
 
 
 def run(tmp: str, name: str, overrides: dict, iterations: int, full: bool = False) -> list[dict] | dict:
@@ -79,7 +77,7 @@ def main() -> None:
              "periodic": {"pipeline.mode": "periodic", "resources.rollout_threads": half,
                           "resources.train_threads": cores - half}}
     order = [m for r in range(args.repeats) for m in (("sync", "periodic") if r % 2 == 0 else ("periodic", "sync"))]
-    with contextlib.nullcontext(args.dir) if args.dir else tempfile.TemporaryDirectory() as tmp:
+    with work_dir(args.dir) as tmp:
         measured: dict[str, list[dict]] = {"sync": [], "periodic": []}
         for i, mode in enumerate(order):
             measured[mode] += run(tmp, f"bench-{mode}-{i}-{stamp}", modes[mode], total)[args.warmup:]
