@@ -129,7 +129,8 @@ class AlgorithmSection(_Section):
     kl_coef: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient in the loss (0: no reference pass).")
     kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     prox_logp: Literal["recompute", "loglinear", "linear", "metrics"] = Field(
-        "loglinear", description="async (decoupled PPO): proximal log-probs by an extra forward pass (recompute), "
+        "loglinear", description="async (decoupled PPO): proximal log-probs (the policy one version behind the "
+        "trainer, never older than a token's own) by an extra forward pass of those weights (recompute), "
         "A-3PO interpolation (loglinear), probability-space interpolation (linear), or recompute while logging "
         "both approximations' errors (metrics).")
     is_cap: float | None = Field(5.0, gt=0.0, description="async: cap of the importance weight pi_prox/pi_b "

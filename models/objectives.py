@@ -564,23 +564,34 @@ def proximal_logprobs(
 ) -> tuple[Tensor, dict[str, float]]:
     """Proximal-policy log-probs for the decoupled loss: recomputed, or approximated without a forward pass.
 
-    A-3PO (Li, Wu & Shen 2025), staleness-aware interpolation, with ``alpha = staleness_alpha(d)`` and
-    ``d = trainer_version - token_versions`` per token:
+    The proximal policy is the one A-3PO's interpolation places (Li, Wu & Shen 2025; AReaL's ``prox_approx``): one
+    optimizer step behind the trainer, version ``v_prox = trainer_version - 1``, and never older than the token's
+    own behaviour policy. Per token, with ``d = trainer_version - token_versions`` and
+    ``alpha = staleness_alpha(d)``:
     - ``loglinear``: ``log pi_prox = log pi_b + alpha (log pi_theta - log pi_b)`` (interpolation in log space).
     - ``linear``: ``log pi_prox = log((1 - alpha) pi_b + alpha pi_theta)`` (in probability space; computed with
       ``logaddexp``, never leaving log space).
-    - ``recompute``: decoupled PPO's exact proximal pass (Hilton et al. 2022); ``recomputed_logp`` is required.
-    ``current_logp`` is the log-prob of the forward pass the loss already runs; it is detached here.
+    - ``recompute``: decoupled PPO's exact proximal pass (Hilton et al. 2022): ``recomputed_logp`` are the log-probs
+      of the weights of version ``trainer_version - 1``, required, and used where ``d >= 2``.
+    At ``d <= 1`` (alpha = 0) every kind returns ``behavior_logp`` exactly: the token's behaviour policy is then the
+    proximal one (d = 1) or the current one (d = 0, on-policy). ``current_logp`` is the log-prob of the forward
+    pass the loss already runs; it is detached here.
 
-    At d <= 1 (alpha = 0) both approximations return ``behavior_logp`` exactly. Masked positions (prompt, padding)
-    return ``behavior_logp`` for every kind; their versions are not checked.
+    Departure from AReaL: its ``recompute`` evaluates the trainer's weights before the update (version
+    ``trainer_version``) while its approximation targets ``trainer_version - 1``. With one optimizer step per
+    batch that recomputed policy is the current one, so the ratio pi_theta / pi_prox is exactly 1 and the clip never
+    acts; here ``recompute`` computes the policy that the approximations approximate, so ``metrics`` measures their
+    error against their own target.
+
+    Masked positions (prompt, padding) return ``behavior_logp`` for every kind; their versions are not checked.
 
     behavior_logp, current_logp, token_versions, mask, recomputed_logp: (B, T). Returns prox log-probs (B, T),
     detached, and metrics ``staleness/mean``, ``staleness/max``, ``prox/alpha_mean``; when ``recomputed_logp`` is
     given to an approximating kind, also ``prox/abs_err`` (mean |approx - recomputed|), ``prox/rel_err``
     (sum |approx - recomputed| / sum |recomputed|), ``prox/gap_ratio`` (sum |approx - recomputed| /
     sum |recomputed - behavior|: 1 means no better than using pi_b, 0 exact) and ``prox/is_weight_err``
-    (mean |exp(approx - b) - exp(recomputed - b)|), all over mask tokens.
+    (mean |exp(approx - b) - exp(recomputed - b)|), all over mask tokens, ``recomputed`` standing for the
+    recompute kind's proximal log-probs (behaviour where d <= 1).
     """
     _check_shape(
         behavior_logp.shape,
@@ -601,8 +612,9 @@ def proximal_logprobs(
     if kind == "recompute":
         if recomputed_logp is None:
             raise ValueError(
-                "kind='recompute' needs recomputed_logp: run the proximal forward pass and pass its log-probs, "
-                "or use kind='loglinear' (A-3PO) to approximate it without that pass"
+                "kind='recompute' needs recomputed_logp: run the proximal forward pass (the weights of version "
+                "trainer_version - 1) and pass its log-probs, or use kind='loglinear' (A-3PO) to approximate it "
+                "without that pass"
             )
         prox = recomputed_logp.detach()
     elif kind == "loglinear":
@@ -611,7 +623,7 @@ def proximal_logprobs(
         prox = torch.logaddexp(torch.log1p(-alpha) + b, torch.log(alpha) + cur)  # (B, T); log(0) = -inf is fine
     else:
         raise ValueError(f"unknown proximal kind {kind!r}; choose one of {_choices(ProxKind)}")
-    prox = torch.where(m & (alpha > 0), prox, b) if kind != "recompute" else torch.where(m, prox, b)
+    prox = torch.where(m & (alpha > 0), prox, b)  # (B, T): behaviour at d <= 1 and off the mask, for every kind
 
     d_mean, d_max, _ = _masked_stats(d, m, empty=0.0)
     metrics: dict[str, Tensor | float] = {
@@ -620,7 +632,7 @@ def proximal_logprobs(
         "prox/alpha_mean": _masked_stats(alpha, m, empty=0.0)[0],
     }
     if recomputed_logp is not None and kind != "recompute":
-        ref = recomputed_logp.detach()
+        ref = torch.where(m & (alpha > 0), recomputed_logp.detach(), b)  # (B, T) the recompute kind's prox
         err = torch.where(m, (prox - ref).abs(), 0.0)  # (B, T)
         n = m.sum().clamp(min=1)
         tiny = torch.finfo(b.dtype).tiny

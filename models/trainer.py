@@ -1,8 +1,9 @@
 """The policy trainer: micro-steps that accumulate an exactly normalised gradient, then one optimizer step.
 
 `micro_step` runs, on one packed micro-batch, the tri-model step of DESIGN.md: the reference log-probs (no grad,
-only when a KL term is used), the policy log-probs (with grad) and the old-policy log-probs (the current policy
-detached: with one optimizer step per batch the ratio is exactly 1, so that pass is free). It backpropagates the
+only when a KL term is used), the policy log-probs (with grad) and the old-policy log-probs (on-policy: the current
+policy detached, since with one optimizer step per batch the ratio is exactly 1, so that pass is free; off-policy with
+`prox_logp: recompute`, the proximal policy's, from the weights of one version back). It backpropagates the
 loss *numerator* only; the batch's normaliser (tokens or sequences) is known only when the batch is complete, so
 `optimizer_step` divides the accumulated gradient by the accumulated denominator. The sum over micro-batches then
 equals the whole-batch loss gradient whatever the split or the order of arrival (DESIGN.md, Propositions 1-2).
@@ -10,6 +11,7 @@ equals the whole-batch loss gradient whatever the split or the order of arrival 
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections import defaultdict
@@ -95,6 +97,12 @@ class PolicyTrainer:
         self.shared_prompt = shared_prompt
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
         self.peak_lr = lr
+        # decoupled PPO's proximal policy: the weights of one version back, kept from before each optimizer step
+        self.prox_model: torch.nn.Module | None = None
+        self.prox_version: int | None = None  # the version prox_model holds (None: none yet)
+        if self.loss.decoupled and self.loss.prox_logp in ("recompute", "metrics"):
+            self.prox_model = copy.deepcopy(model).requires_grad_(False).eval()
+        self._batch_version: int | None = None
         self._reset_accumulators()
 
     def set_lr_factor(self, factor: float) -> None:
@@ -118,10 +126,11 @@ class PolicyTrainer:
         """Forward + backward of the loss numerator on one micro-batch of whole groups; returns its figures.
 
         `version` is the trainer's policy version (the staleness of a token is version - its token version); it
-        matters only to the decoupled loss. With `prox_logp: recompute` (or `metrics`) the proximal log-probs come
-        from an extra no-grad forward pass of the current weights - decoupled PPO's proximal pass; with one
-        optimizer step per batch those weights are the batch's proximal policy, so that pass reproduces the
-        policy log-probs detached. `loglinear` / `linear` (A-3PO) interpolate them without that pass.
+        matters only to the decoupled loss. With `prox_logp: recompute` (or `metrics`) the proximal log-probs of
+        tokens two or more versions behind come from an extra no-grad forward pass of the weights of version
+        `version - 1` (`prox_model`, kept from before the last optimizer step) - decoupled PPO's proximal pass; a
+        micro-batch with no such token needs no pass (its proximal policy is each token's behaviour policy).
+        `loglinear` / `linear` (A-3PO) interpolate them without that pass.
 
         On-policy, the old policy is the current one (ratio exactly 1) until the batch's first optimizer step;
         `behavior_old` (PPO mini-batches after the first) takes the rollout's behaviour log-probs instead: the
@@ -129,6 +138,7 @@ class PolicyTrainer:
         if not groups:
             raise ValueError("micro_step needs at least one group")
         self.model.train()
+        self._batch_version = version
         s = self.loss
         rewards = [torch.tensor(g.rewards, dtype=torch.float32) for g in groups]
         advs, zero_groups = [], 0
@@ -207,8 +217,15 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         recomputed = None
         if s.prox_logp in ("recompute", "metrics"):
-            with torch.no_grad():
-                recomputed = token_logprobs(packed_logits(self.model, packed), packed.targets, s.temperature)
+            recomputed = behavior  # (S, T): where no token is >= 2 versions behind, the proximal policy is pi_b
+            if bool(((mask > 0) & (version - token_versions >= 2)).any()):
+                if self.prox_version != version - 1:
+                    raise RuntimeError(
+                        f"the proximal policy of trainer version {version} is v{version - 1}, but the trainer holds "
+                        f"{'no proximal weights' if self.prox_version is None else f'v{self.prox_version}'}: load "
+                        "them into prox_model and set prox_version (a resumed run: its checkpoint one version back)")
+                with torch.no_grad():
+                    recomputed = token_logprobs(packed_logits(self.prox_model, packed), packed.targets, s.temperature)
         kind = "recompute" if s.prox_logp == "metrics" else s.prox_logp
         prox, prox_metrics = objectives.proximal_logprobs(behavior, logp, token_versions, version, mask, kind,
                                                           recomputed)
@@ -242,6 +259,11 @@ class PolicyTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_accumulators()
             raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)}: the step was not applied")
+        if self.prox_model is not None:  # these weights are the proximal policy of the next version
+            with torch.no_grad():
+                for q, p in zip(self.prox_model.parameters(), self.model.parameters(), strict=True):
+                    q.copy_(p)
+            self.prox_version = self._batch_version
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         tok = max(self._tokens, 1.0)

@@ -349,14 +349,12 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
     version = checkpoints.promoted_version(lake, run_id)
     trainer = build_trainer(cfg, model, tokenizer, device)
     if version is None:
-        path = checkpoints.save_checkpoint(lake, run_id, 0, trainer.model, tokenizer, trainer.optimizer,
-                                           {"bootstrap_cached": cached})
+        checkpoints.save_checkpoint(lake, run_id, 0, trainer.model, tokenizer, trainer.optimizer,
+                                    {"bootstrap_cached": cached})
         checkpoints.promote(lake, run_id, 0)
         version = 0
     else:  # reopen: continue from the promoted checkpoint with its optimizer and RNG state
-        path = lake.checkpoint_dir(run_id, version)
-        checkpoints.load_into(trainer.model, checkpoints.load_weights(lake, path))
-        checkpoints.load_trainer_state(lake, path, trainer.optimizer)
+        restore_trainer(trainer, lake, run_id, version)
         set_aside_unpromoted_rollouts(lake, run_id, version)
 
     train_prompts, train_ids, eval_prompts, eval_ids = task_prompts(cfg, tokenizer)
@@ -386,6 +384,19 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
         session.weights.write(trainer.model)  # the version the run starts from
     register(session)
     return session
+
+
+def restore_trainer(trainer: PolicyTrainer, lake: Lake, run_id: str, version: int) -> None:
+    """Continue from checkpoint v{version}: its weights, optimizer and RNG state; and where the decoupled loss
+    recomputes its proximal policy (async, `prox_logp: recompute | metrics`), the weights of v{version - 1} as that
+    policy (the trainer keeps them itself from one optimizer step to the next)."""
+    path = lake.checkpoint_dir(run_id, version)
+    checkpoints.load_into(trainer.model, checkpoints.load_weights(lake, path))
+    checkpoints.load_trainer_state(lake, path, trainer.optimizer)
+    if trainer.prox_model is not None and version > 0:
+        previous = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, version - 1))
+        checkpoints.load_into(trainer.prox_model, previous)
+        trainer.prox_version = version - 1
 
 
 def pushes_weights(cfg: Config) -> bool:

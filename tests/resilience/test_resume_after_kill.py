@@ -149,12 +149,14 @@ def test_damaged_shards_are_quarantined_and_regenerated(reference):
 def test_async_run_killed_mid_train_resumes_within_the_staleness_bound(reference):
     """An async run (max_staleness 2, interruption on) SIGKILLed mid-train resumes: later batches' shards already in
     the lake are reused, the run completes, every sample appears once, and no trained token is more than 2 versions
-    behind (async runs are not reproducible to the bit: which version made a token depends on timing)."""
+    behind (async runs are not reproducible to the bit: which version made a token depends on timing). It recomputes
+    its proximal policy, so the resumed trainer needs the weights one version back (a trainer without them refuses
+    a token 2 versions behind)."""
     tmp, _ = reference
     run_id = "k-async"
     iters = 5
     cfg = write_config(tmp, run_id, {"run.iterations": iters, "pipeline.mode": "async", "pipeline.max_staleness": 2,
-                                     "rollout.interrupt_on_update": True})
+                                     "rollout.interrupt_on_update": True, "algorithm.prox_logp": "recompute"})
     code, log = _lockstep(["train", cfg], tmp, fault="mid-train@10")  # iteration 2, after 2 of its 4 micro-steps
     assert code == -9, log[-3000:]
     lake = Lake(str(tmp / "lake"))

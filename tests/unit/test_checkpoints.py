@@ -363,3 +363,33 @@ def test_uncopied_snapshot_follows_the_model(tiny_hf):
     name = "model.embed_tokens.weight"
     assert torch.equal(view.weights[name], model.state_dict()[name])
     assert not torch.equal(copied.weights[name], model.state_dict()[name])
+
+
+@pytest.mark.parametrize("prox", ["recompute", "loglinear"])
+def test_restore_trainer_loads_the_proximal_policy_one_version_back(tiny_hf, lake, prox):
+    """A resumed async run that recomputes its proximal policy continues with checkpoint v2 as the policy and v1 as
+    the proximal policy (what the trainer would have kept from before its last optimizer step); an approximating run
+    keeps no proximal weights."""
+    import copy
+
+    from models.trainer import LossSettings, PolicyTrainer
+    from tasks.session import restore_trainer
+
+    model = tiny_hf.model
+    opt = train_steps(model, steps=1)
+    save_checkpoint(lake, RUN, 1, model, tiny_hf.tokenizer, optimizer=opt)
+    v1 = copy.deepcopy(model.state_dict())
+    train_steps_with(model, opt)
+    save_checkpoint(lake, RUN, 2, model, tiny_hf.tokenizer, optimizer=opt)
+
+    fresh = build_tiny_model(len(tiny_hf.tokenizer), seed=5, **TINY)
+    trainer = PolicyTrainer(fresh, None, lr=1e-3, loss=LossSettings(decoupled=True, prox_logp=prox))
+    restore_trainer(trainer, lake, RUN, 2)
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in fresh.state_dict().items())
+    if prox == "loglinear":
+        assert trainer.prox_model is None and trainer.prox_version is None
+        return
+    assert trainer.prox_version == 1
+    prox_state = trainer.prox_model.state_dict()
+    assert all(torch.equal(prox_state[k], t) for k, t in v1.items())
+    assert not torch.equal(prox_state["model.embed_tokens.weight"], fresh.state_dict()["model.embed_tokens.weight"])

@@ -408,6 +408,24 @@ def test_proximal_error_metrics_and_recompute():
     assert torch.equal(prox, rec) and "prox/abs_err" not in m
 
 
+def test_recompute_uses_the_previous_version_only_two_or_more_versions_behind():
+    # trainer 5, versions [3, 4, 5, 1] -> d = [2, 1, 0, 4]. The proximal policy is v4 (one step behind the trainer),
+    # never older than the token's own policy: recomputed v4 log-probs at d = 2 and 4, behaviour at d = 1 (the token's
+    # policy is v4 itself) and d = 0 (on-policy).
+    b = torch.full((1, 4), LN(0.2))
+    cur = torch.full((1, 4), LN(0.8))
+    rec = torch.tensor([[LN(0.45), LN(0.3), LN(0.7), LN(0.6)]])
+    versions = torch.tensor([[3, 4, 5, 1]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    prox, _ = obj.proximal_logprobs(b, cur, versions, 5, mask, "recompute", recomputed_logp=rec)
+    assert prox.tolist() == [[rec[0, 0].item(), b[0, 1].item(), b[0, 2].item(), rec[0, 3].item()]]
+    # the approximations' errors are measured against that same per-token proximal policy: at d <= 1 both are b,
+    # so only d = 2 (loglinear log .4 vs log .45: .117783) and d = 4 (log(.2 * 4^.75) = log .565685 vs log .6:
+    # .058892) count; abs_err = (.117783 + .058892) / 4 = .044169
+    _, m = obj.proximal_logprobs(b, cur, versions, 5, mask, "loglinear", recomputed_logp=rec)
+    close(m["prox/abs_err"], 0.044169, atol=1e-5)
+
+
 def test_proximal_masked_positions_return_behavior():
     b = torch.tensor([[-1.0, -2.0, -3.0]])
     cur = torch.tensor([[-0.5, -0.5, -0.5]])

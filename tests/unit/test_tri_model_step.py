@@ -143,14 +143,31 @@ def _stale_groups(policy: torch.nn.Module, token_version: int, noise: float, see
     return groups
 
 
+def _logprobs(model: torch.nn.Module, groups: list[RolloutGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, T) log-probs of `model` on the unshared packing of `groups`, and its mask."""
+    from models.packing import Group, pack, packed_logits, token_logprobs
+
+    packed = pack([Group(g.prompt_ids, g.responses) for g in groups], PAD, False)
+    with torch.no_grad():
+        return token_logprobs(packed_logits(model, packed), packed.targets), packed.mask
+
+
+def _decoupled_trainer(policy, prox: str, previous=None, previous_version: int | None = None, **loss):
+    trainer = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD,
+                            loss=LossSettings(decoupled=True, prox_logp=prox, **loss))
+    if previous is not None and trainer.prox_model is not None:  # what a resumed run loads: one version back
+        trainer.prox_model.load_state_dict(previous.state_dict())
+        trainer.prox_version = previous_version
+    return trainer
+
+
 @pytest.mark.parametrize("prox", ["recompute", "metrics", "loglinear", "linear"])
 def test_decoupled_forward_count_and_proximal_values(models, monkeypatch, prox):
-    """recompute / metrics: one extra no-grad policy pass per micro-step, whose log-probs equal the grad pass's
-    (one optimizer step per batch: the current weights are the proximal policy); loglinear / linear: no extra pass,
-    and at staleness d=2 (alpha=1/2) log pi_prox lies halfway between behaviour and current in log space (loglinear)."""
-    policy, _ = models
-    groups = _stale_groups(policy, token_version=1, noise=0.3, seed=4)
-    log = ForwardLog(policy)
+    """recompute / metrics: one extra no-grad pass per micro-step, of the proximal weights (trainer version - 1), whose
+    log-probs are the proximal ones of every token 2 versions behind; loglinear / linear: no extra pass, and at
+    staleness d=2 (alpha=1/2) log pi_prox lies halfway between behaviour and current in log space (loglinear)."""
+    policy, previous = models
+    groups = _stale_groups(policy, token_version=1, noise=0.3, seed=4)  # trained at version 3: d = 2
     seen = []
     real = objectives.proximal_logprobs
 
@@ -160,15 +177,17 @@ def test_decoupled_forward_count_and_proximal_values(models, monkeypatch, prox):
         return out
 
     monkeypatch.setattr(objectives, "proximal_logprobs", spy)
-    trainer = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD,
-                            loss=LossSettings(decoupled=True, prox_logp=prox, is_cap=None))
+    trainer = _decoupled_trainer(policy, prox, previous, 2, is_cap=None)
+    log = ForwardLog(policy)
+    prox_log = ForwardLog(trainer.prox_model) if trainer.prox_model is not None else None
     trainer.micro_step(groups, version=3)
-    assert len(log.calls) == (2 if prox in ("recompute", "metrics") else 1)
-    assert [grad for grad, _, _ in log.calls] == ([True, False] if len(log.calls) == 2 else [True])
+    assert log.calls == [(True, False, 8)]  # the policy: one forward with grad (2 groups x 4 rows, unshared)
     kind, b, cur, rec, m, out = seen[0]
     if prox in ("recompute", "metrics"):
-        assert kind == "recompute" and rec is not None
-        assert float((rec - cur).abs()[m].max()) <= 1e-6
+        assert prox_log.calls == [(False, False, 8)]  # the proximal weights: one no-grad forward of the same rows
+        expected, _ = _logprobs(previous, groups)
+        assert kind == "recompute" and float((rec - expected).abs()[m].max()) <= 1e-6
+        assert float((rec - cur).abs()[m].max()) > 1e-2  # not the current policy: the weights one version back
         assert torch.equal(out[m], rec[m])
     if prox == "loglinear":
         assert torch.allclose(out[m], (b + 0.5 * (cur - b))[m], atol=1e-6)
@@ -182,14 +201,54 @@ def test_decoupled_forward_count_and_proximal_values(models, monkeypatch, prox):
         assert not any(k.startswith(("prox/loglinear", "prox/linear")) for k in figures)
 
 
-def test_metrics_mode_trains_exactly_like_recompute(models):
+def test_recompute_skips_the_pass_when_no_token_is_two_versions_behind(models):
+    """Tokens 0 or 1 versions behind have their behaviour policy as proximal policy: no extra pass, no proximal
+    weights needed, and the proximal log-probs are the behaviour log-probs exactly (importance weight exactly 1)."""
     policy, _ = models
+    trainer = _decoupled_trainer(policy, "recompute")  # holds no proximal weights
+    prox_log = ForwardLog(trainer.prox_model)
+    trainer.micro_step(_stale_groups(policy, token_version=2, noise=0.3, seed=4), version=3)  # d = 1
+    trainer.micro_step(_stale_groups(policy, token_version=3, noise=0.3, seed=5), version=3)  # d = 0
+    assert prox_log.calls == []
+    figures = trainer.optimizer_step()
+    assert figures["is_weight/mean"] == 1.0 and figures["is_weight/max"] == 1.0  # w = exp(prox - b) = exp(0)
+
+
+def test_the_proximal_weights_follow_the_optimizer_steps(models):
+    """Before each optimizer step the trainer keeps the weights it steps from: they are the proximal policy of the
+    next version. A trainer asked for a proximal policy it does not hold refuses with what to do."""
+    import copy
+
+    policy, _ = models
+    trainer = _decoupled_trainer(policy, "recompute")
+    with pytest.raises(RuntimeError, match=r"proximal policy of trainer version 3 is v2, but the trainer holds no "
+                                           r"proximal weights: load them into prox_model"):
+        trainer.micro_step(_stale_groups(policy, token_version=1, noise=0.3, seed=4), version=3)
+    trainer.micro_step(_stale_groups(policy, token_version=0, noise=0.3, seed=4), version=0)
+    v0 = copy.deepcopy(policy.state_dict())
+    trainer.optimizer_step()
+    assert trainer.prox_version == 0
+    assert all(torch.equal(v0[k], t) for k, t in trainer.prox_model.state_dict().items())
+    assert not torch.equal(v0["model.embed_tokens.weight"], policy.state_dict()["model.embed_tokens.weight"])
+    groups = _stale_groups(policy, token_version=0, noise=0.3, seed=6)  # trained at version 2: d = 2, prox v1 wanted
+    with pytest.raises(RuntimeError, match="proximal policy of trainer version 2 is v1, but the trainer holds v0"):
+        trainer.micro_step(groups, version=2)
+    trainer.micro_step(_stale_groups(policy, token_version=0, noise=0.3, seed=7), version=1)  # d = 1: no pass
+    v1 = copy.deepcopy(policy.state_dict())
+    trainer.optimizer_step()
+    assert trainer.prox_version == 1
+    assert all(torch.equal(v1[k], t) for k, t in trainer.prox_model.state_dict().items())
+    trainer.micro_step(groups, version=2)  # now it holds v1
+
+
+def test_metrics_mode_trains_exactly_like_recompute(models):
+    policy, previous = models
     import copy
 
     grads = {}
     for prox in ("recompute", "metrics", "loglinear"):
         p = copy.deepcopy(policy)
-        trainer = PolicyTrainer(p, None, lr=1e-2, pad_token_id=PAD, loss=LossSettings(decoupled=True, prox_logp=prox))
+        trainer = _decoupled_trainer(p, prox, previous, 3)
         trainer.micro_step(_stale_groups(policy, token_version=0, noise=1.0, seed=5), version=4)
         grads[prox] = torch.cat([q.grad.flatten() for q in p.parameters() if q.grad is not None])
     assert torch.equal(grads["recompute"], grads["metrics"])
