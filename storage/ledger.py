@@ -20,18 +20,23 @@ _NEXT: dict[str, set[str]] = {
 }
 
 
-def write_record(lake: Lake, run_id: str, iteration: int, state: State, **fields) -> dict:
-    """Move iteration `iteration` to `state`, merging `fields` into its record; refuses illegal transitions."""
+def write_record(lake: Lake, run_id: str, iteration: int, state: State | tuple[State, ...], **fields) -> dict:
+    """Move iteration `iteration` to `state`, merging `fields` into its record; refuses illegal transitions.
+
+    A tuple of states makes those transitions in order with one write (each is checked and kept in the history)."""
     path = lake.ledger_file(run_id, iteration)
     record = read_json(lake, path) if lake.fs.exists(path) else {"iteration": iteration, "history": []}
-    prev = record.get("state")
-    if prev is None and state != "planned":
-        raise ValueError(f"ledger of run {run_id} iteration {iteration}: a new record starts 'planned', not {state!r}")
-    if prev is not None and state not in _NEXT[prev]:
-        raise ValueError(f"ledger of run {run_id} iteration {iteration}: illegal transition {prev} -> {state}")
+    now = time.time()
+    for next_state in (state,) if isinstance(state, str) else state:
+        prev = record.get("state")
+        if prev is None and next_state != "planned":
+            raise ValueError(f"ledger of run {run_id} iteration {iteration}: a new record starts 'planned', not "
+                             f"{next_state!r}")
+        if prev is not None and next_state not in _NEXT[prev]:
+            raise ValueError(f"ledger of run {run_id} iteration {iteration}: illegal transition {prev} -> {next_state}")
+        record["state"] = next_state
+        record["history"].append({"state": next_state, "at": now})
     record.update(fields)
-    record["state"] = state
-    record["history"].append({"state": state, "at": time.time()})
     atomic_write_json(lake, run_id, path, record)
     return record
 

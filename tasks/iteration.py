@@ -41,12 +41,12 @@ def plan_task(run_id: str, iteration: int) -> dict:
             ledger.write_record(s.lake, run_id, iteration, "failed", reason="interrupted before promotion; resumed")
         reused, quarantined = _valid_chunks(s, run_id, iteration)
         chunks = [c for c in chunks if c.index not in reused]
-    ledger.write_record(s.lake, run_id, iteration, "planned", policy_version=iteration, planned_at_version=s.version,
-                        prompt_ids=prompt_ids,
-                        chunks=len(chunks) + len(reused), reused_chunks=reused, quarantined=quarantined,
-                        group_size=s.cfg.rollout.group_size)
+    # planned and rolling out in one write, before any chunk reaches a worker: the plan is durable before a shard of
+    # it can be, and a crash before the enqueue leaves an interrupted iteration that resume replans like any other
+    ledger.write_record(s.lake, run_id, iteration, ("planned", "rolling_out"), policy_version=iteration,
+                        planned_at_version=s.version, prompt_ids=prompt_ids, chunks=len(chunks) + len(reused),
+                        reused_chunks=reused, quarantined=quarantined, group_size=s.cfg.rollout.group_size)
     s.pool.enqueue(chunks)
-    ledger.write_record(s.lake, run_id, iteration, "rolling_out")
     faults.point("after-plan")
     body = time.perf_counter() - t0
     s.storage_s += body

@@ -267,6 +267,22 @@ def test_ledger_legal_path(lake):
     assert Path(lake.ledger_file(RUN, 0)).name == "iter-000000.json"
 
 
+def test_ledger_several_transitions_in_one_write(lake, monkeypatch):
+    import storage.ledger as ledger_module
+
+    writes = []
+    real = ledger_module.atomic_write_json
+    monkeypatch.setattr(ledger_module, "atomic_write_json", lambda *a: (writes.append(a[2]), real(*a)))
+    rec = ledger.write_record(lake, RUN, 4, ("planned", "rolling_out"), prompt_ids=[3, 1])
+    assert len(writes) == 1 and rec["state"] == "rolling_out" and rec["prompt_ids"] == [3, 1]
+    assert [h["state"] for h in rec["history"]] == ["planned", "rolling_out"]
+    assert ledger.read_record(lake, RUN, 4) == rec
+    # every transition of the tuple is checked; a refused one writes nothing
+    with pytest.raises(ValueError, match="illegal transition trained -> planned"):
+        ledger.write_record(lake, RUN, 4, ("trained", "planned"))
+    assert ledger.read_record(lake, RUN, 4) == rec and len(writes) == 1
+
+
 def test_ledger_failed_then_resumed(lake):
     ledger.write_record(lake, RUN, 3, "planned", policy_version=3)
     ledger.write_record(lake, RUN, 3, "rolling_out")
