@@ -51,26 +51,24 @@ def _kill_group(pgid: int) -> None:
     in /dev/shm per kill-and-resume test (counted here)."""
     trackers = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        stat = _stat(entry)
+        if stat is None or int(stat[2]) != pgid:  # field 5 of /proc/PID/stat: the process group
+            continue
         try:
-            pid = int(entry)
-            with open(f"/proc/{pid}/stat") as f:
-                pgrp = int(f.read().rsplit(")", 1)[1].split()[2])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except (ValueError, OSError, IndexError):
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                tracker = b"resource_tracker" in f.read()
+        except OSError:
             continue
-        if pgrp != pgid:
+        if tracker:
+            trackers.append(entry)
             continue
-        if b"resource_tracker" in cmdline:
-            trackers.append(pid)
-        else:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        try:
+            os.kill(int(entry), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     deadline = time.monotonic() + 10
     while trackers and time.monotonic() < deadline:
-        trackers = [p for p in trackers if os.path.exists(f"/proc/{p}") and not _zombie(p)]
+        trackers = [p for p in trackers if (_stat(p) or ["Z"])[0] != "Z"]  # gone or a zombie: done
         time.sleep(0.1)
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -78,12 +76,15 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _zombie(pid: int) -> bool:
+def _stat(pid: str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...); None if there is no such process."""
+    if not pid.isdigit():
+        return None
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            return f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return True
+        return None
 
 
 @pytest.fixture(scope="module")
