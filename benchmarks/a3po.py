@@ -63,27 +63,35 @@ def main() -> None:
 
 
 def timing(tmp: str, stamp: str, total: int, args) -> None:
-    """Per staleness bound: prox / train-step / iteration times of both methods, two runs each in ABBA order
-    (loglinear, recompute, recompute, loglinear: the machine's speed drifts over minutes), medians over the measured
-    iterations of both runs; then async vs periodic samples/s."""
+    """Per staleness bound: two async runs per method in ABBA order (loglinear, recompute, recompute, loglinear: the
+    machine's speed drifts over minutes); the train-step figures side by side on their recorded batches
+    (`replayed_train_steps`), the in-flow ones (`*_in_flow`) and the iteration times as medians over the measured
+    iterations of both runs of a method; then async vs periodic samples/s."""
     async_sps = {}
     for S in (2, 8):
         measured: dict[str, list[dict]] = {prox: [] for prox in METHODS}
+        run_ids = []
         for i, prox in enumerate((*METHODS, *reversed(METHODS))):
-            measured[prox] += run(tmp, f"a3po-s{S}-{prox}-{i}-{stamp}", {"pipeline.mode": "async",
-                                                                        "pipeline.max_staleness": S,
-                                                                        "algorithm.prox_logp": prox},
-                                  total)[args.warmup:]
+            run_ids.append(f"a3po-s{S}-{prox}-{i}-{stamp}")
+            measured[prox] += run(tmp, run_ids[-1], {"pipeline.mode": "async", "pipeline.max_staleness": S,
+                                                     "algorithm.prox_logp": prox}, total)[args.warmup:]
         med = {prox: {key: statistics.median(x[key] for x in h) for key in
                       ("time/prox_s", "time/train_busy_s", "time/iteration_s", "staleness/mean",
                        "staleness/max", "perf/samples_per_s", "is_weight/mean")} for prox, h in measured.items()}
         async_sps[S] = med["loglinear"]["perf/samples_per_s"]
-        speedup = med["recompute"]["time/train_busy_s"] / med["loglinear"]["time/train_busy_s"]
+        side = replayed_train_steps(f"{tmp}/lake", run_ids, args.warmup)
+        speedup = side["train_step_speedup"]
         emit(benchmark="a3po", max_staleness=S, iterations_measured=2 * args.iterations,
-             prox_s_loglinear=med["loglinear"]["time/prox_s"], prox_s_recompute=med["recompute"]["time/prox_s"],
-             train_step_s_loglinear=med["loglinear"]["time/train_busy_s"],
-             train_step_s_recompute=med["recompute"]["time/train_busy_s"],
-             train_step_speedup=speedup,
+             prox_s_loglinear=side["prox_s_loglinear"], prox_s_recompute=side["prox_s_recompute"],
+             train_step_s_loglinear=side["train_step_s_loglinear"],
+             train_step_s_recompute=side["train_step_s_recompute"],
+             train_step_speedup=speedup, batches_side_by_side=side["batches"],
+             train_step_speedup_quartiles=[side["speedup_q1"], side["speedup_q3"]],
+             train_step_speedup_in_flow=med["recompute"]["time/train_busy_s"] / med["loglinear"]["time/train_busy_s"],
+             train_step_s_in_flow_loglinear=med["loglinear"]["time/train_busy_s"],
+             train_step_s_in_flow_recompute=med["recompute"]["time/train_busy_s"],
+             prox_s_in_flow_loglinear=med["loglinear"]["time/prox_s"],
+             prox_s_in_flow_recompute=med["recompute"]["time/prox_s"],
              iteration_speedup=med["recompute"]["time/iteration_s"] / med["loglinear"]["time/iteration_s"],
              staleness_mean=med["loglinear"]["staleness/mean"], staleness_max=med["loglinear"]["staleness/max"],
              is_weight_mean=med["loglinear"]["is_weight/mean"],
@@ -91,6 +99,69 @@ def timing(tmp: str, stamp: str, total: int, args) -> None:
     per = summarise("periodic", run(tmp, f"a3po-periodic-{stamp}", {"pipeline.mode": "periodic"}, total), args.warmup)
     emit(benchmark="a3po", periodic_samples_per_s=per["samples_per_s"], async_samples_per_s_s2=async_sps[2],
          async_samples_per_s_s8=async_sps[8], async_over_periodic_s8=async_sps[8] / per["samples_per_s"])
+
+
+def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict:
+    """Train-step time of both methods on the same recorded async batches, back to back, nothing else running.
+
+    For each iteration after `warmup` of each run: the weights the trainer had then (checkpoint v) go into each
+    method's trainer, and into recompute's proximal copy those of v - 1; then each method trains the batch as the
+    train task did (its shards in the consumed order: micro-steps and optimizer step, the train task's busy time),
+    timed, the order of the two alternating by batch. The speedup is the median over batches of recompute / loglinear
+    on the same batch: in the flow each method's train step is timed in its own runs, minutes apart, beside a rollout
+    worker on the other core, and this machine's speed moves run-level medians by 10-20% within minutes."""
+    import tempfile
+
+    import torch
+
+    from configs.schema import Config
+    from flows.replay import recorded_batch, train_recorded_batch
+    from models.tiny import load_hf
+    from storage import checkpoints, ledger
+    from storage.lake import Lake, read_json
+    from tasks.session import build_trainer, resolve_device
+
+    lake = Lake(lake_uri)
+    base = Config.model_validate(read_json(lake, f"{lake.run_dir(run_ids[0])}/config.json"))
+    torch.set_num_threads(base.resources.train_threads)  # what the train task trains on in async mode
+    trainers = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for prox in METHODS:
+            cfg = base.model_copy(deep=True)
+            cfg.algorithm.prox_logp = prox
+            model, tok = load_hf(checkpoints.local_copy(lake, lake.checkpoint_dir(run_ids[0], 0), cache))
+            trainers[prox] = (cfg, build_trainer(cfg, model, tok, resolve_device(cfg.trainer.device)))
+    batches = [(run_id, record) for run_id in run_ids for record in ledger.read_all(lake, run_id)[warmup:]
+               if record["state"] == "promoted" and record["policy_version"] >= 2]
+    if not batches:
+        raise ValueError(f"no promoted iteration at version >= 2 after {warmup} warm-up ones in {run_ids}")
+    times: dict[str, list[float]] = {prox: [] for prox in METHODS}
+    prox_s: dict[str, list[float]] = {prox: [] for prox in METHODS}
+    ratios = []
+    for n, (run_id, record) in enumerate([batches[0], *batches]):  # the first batch once more, untimed: warm-up
+        v = record["policy_version"]
+        batch = recorded_batch(lake, record)
+        weights = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, v))
+        previous = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, v - 1))
+        took = {}
+        for prox in METHODS if n % 2 == 0 else reversed(METHODS):
+            cfg, trainer = trainers[prox]
+            checkpoints.load_into(trainer.model, weights)
+            if trainer.prox_model is not None:
+                checkpoints.load_into(trainer.prox_model, previous)
+                trainer.prox_version = v - 1
+            t0 = time.perf_counter()
+            figures = train_recorded_batch(trainer, cfg, record, batch)
+            took[prox] = time.perf_counter() - t0
+            if n > 0:
+                times[prox].append(took[prox])
+                prox_s[prox].append(figures["time/prox_s"])
+        if n > 0:
+            ratios.append(took["recompute"] / took["loglinear"])
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {"train_step_speedup": statistics.median(ratios), "batches": len(ratios), "speedup_q1": q1, "speedup_q3": q3,
+            **{f"train_step_s_{prox}": statistics.median(times[prox]) for prox in METHODS},
+            **{f"prox_s_{prox}": statistics.median(prox_s[prox]) for prox in METHODS}}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from configs.schema import Config
+from models.trainer import RolloutGroup
 from storage import checkpoints, ledger
 from storage.lake import Lake, atomic_write_bytes, read_json
 from storage.shards import read_shard
@@ -18,12 +19,22 @@ from tasks.iteration import BatchSteps, groups_of
 from tasks.session import build_trainer, resolve_device
 
 
+def recorded_batch(lake: Lake, record: dict) -> list[list[RolloutGroup]]:
+    """The groups of each shard an iteration's trainer consumed, in that order (checksums verified)."""
+    return [groups_of(read_shard(lake, sh["path"], sh["checksum"])) for sh in record["shards"]]
+
+
+def train_recorded_batch(trainer, cfg: Config, record: dict, batch: list[list[RolloutGroup]]) -> dict:
+    """Train one recorded batch as the train task did: the same version, plan, shard order and optimizer steps."""
+    steps = BatchSteps(trainer, cfg, record.get("prompt_ids") or [], record.get("policy_version", 0))
+    for groups in batch:
+        steps.add(groups)
+    return steps.finish()
+
+
 @task(name="replay-iteration", cache_policy=NO_CACHE)
 def _replay_iteration(trainer, cfg: Config, lake: Lake, record: dict) -> dict:
-    steps = BatchSteps(trainer, cfg, record.get("prompt_ids") or [], record.get("policy_version", 0))
-    for sh in record["shards"]:  # in the order the trainer consumed them
-        steps.add(groups_of(read_shard(lake, sh["path"], sh["checksum"])))
-    return steps.finish()
+    return train_recorded_batch(trainer, cfg, record, recorded_batch(lake, record))
 
 
 @flow(name="lockstep-replay")
