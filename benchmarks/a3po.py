@@ -107,9 +107,10 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
     For each iteration after `warmup` of each run: the weights the trainer had then (checkpoint v) go into each
     method's trainer, and into recompute's proximal copy those of v - 1; then each method trains the batch as the
     train task did (its shards in the consumed order: micro-steps and optimizer step, the train task's busy time),
-    timed, the order of the two alternating by batch. The speedup is the median over batches of recompute / loglinear
-    on the same batch: in the flow each method's train step is timed in its own runs, minutes apart, beside a rollout
-    worker on the other core, and this machine's speed moves run-level medians by 10-20% within minutes."""
+    timed, twice each in ABBA order (which method goes first alternates by batch). The speedup is the median over
+    batches of recompute / loglinear on the same batch (the sum of its two timings over the other's): in the flow each
+    method's train step is timed in its own runs, minutes apart, beside a rollout worker on the other core, and this
+    machine's speed moves run-level medians by 10-30% within minutes."""
     import tempfile
 
     import torch
@@ -143,8 +144,9 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
         batch = recorded_batch(lake, record)
         weights = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, v))
         previous = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, v - 1))
-        took = {}
-        for prox in METHODS if n % 2 == 0 else reversed(METHODS):
+        took: dict[str, list[float]] = {prox: [] for prox in METHODS}
+        first, second = METHODS if n % 2 == 0 else reversed(METHODS)
+        for prox in (first, second, second, first):  # ABBA: drift within the batch's few seconds cancels too
             cfg, trainer = trainers[prox]
             checkpoints.load_into(trainer.model, weights)
             if trainer.prox_model is not None:
@@ -152,12 +154,12 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
                 trainer.prox_version = v - 1
             t0 = time.perf_counter()
             figures = train_recorded_batch(trainer, cfg, record, batch)
-            took[prox] = time.perf_counter() - t0
+            took[prox].append(time.perf_counter() - t0)
             if n > 0:
-                times[prox].append(took[prox])
+                times[prox].append(took[prox][-1])
                 prox_s[prox].append(figures["time/prox_s"])
         if n > 0:
-            ratios.append(took["recompute"] / took["loglinear"])
+            ratios.append(sum(took["recompute"]) / sum(took["loglinear"]))
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     return {"train_step_speedup": statistics.median(ratios), "batches": len(ratios), "speedup_q1": q1, "speedup_q3": q3,
             **{f"train_step_s_{prox}": statistics.median(times[prox]) for prox in METHODS},
