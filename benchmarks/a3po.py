@@ -1,9 +1,12 @@
 """A-3PO vs recomputed proximal log-probs in async mode, on the demo model through the real flow.
 
-Per staleness bound S in {2, 8}: one JSON line with `prox_s` for loglinear and for recompute (median seconds per
-iteration spent producing the proximal log-probs), `train_step_speedup` = recompute / loglinear train-step time
-(the train task's busy time: micro-steps + optimizer step) and `iteration_speedup` (iteration wall time), medians
-over the measured iterations after warm-up ones of two runs per method in ABBA order; then async vs periodic samples/s on the same resources (the
+Per staleness bound S in {2, 8}: two async runs per method in ABBA order, then one JSON line with `prox_s` for
+loglinear and for recompute (median seconds per batch spent producing the proximal log-probs) and
+`train_step_speedup` = recompute / loglinear train-step time (micro-steps + optimizer step), both measured side by side
+on the batches those runs recorded (`replayed_train_steps`: the median over batches of the per-batch ratio, with
+quartiles); beside them the in-flow figures (`*_in_flow`, the train task's busy time in each method's own runs) and
+`iteration_speedup` (iteration wall time), medians over the measured iterations after warm-up ones; then async vs
+periodic samples/s on the same resources (the
 demo's: 1 rollout worker with 1 thread, 1 training thread). Then, per accuracy staleness bound, one line per
 method with `prox_logp` and `accuracy_mean`, the held-out accuracy after the same number of iterations averaged
 over the seeds, and a line with their gap.
