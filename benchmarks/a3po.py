@@ -107,7 +107,8 @@ def timing(tmp: str, stamp: str, total: int, args) -> None:
 def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict:
     """Train-step time of both methods on the same recorded async batches, back to back, nothing else running.
 
-    For each iteration after `warmup` of each run: the weights the trainer had then (checkpoint v) go into each
+    For each iteration after `warmup` of each run at trainer version >= 2 (before that no token is two versions
+    behind, so recompute runs no pass): the weights the trainer had then (checkpoint v) go into each
     method's trainer, and into recompute's proximal copy those of v - 1; then each method trains the batch as the
     train task did (its shards in the consumed order: micro-steps and optimizer step, the train task's busy time),
     timed, twice each in ABBA order (which method goes first alternates by batch). The speedup is the median over
@@ -148,9 +149,11 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
         weights = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, v))
         previous = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, v - 1))
         took: dict[str, list[float]] = {prox: [] for prox in METHODS}
+        took_prox: dict[str, list[float]] = {prox: [] for prox in METHODS}
         first, second = METHODS if n % 2 == 0 else reversed(METHODS)
         for prox in (first, second, second, first):  # ABBA: drift within the batch's few seconds cancels too
             cfg, trainer = trainers[prox]
+            # restore_trainer would also load optimizer moments, which old versions no longer keep; timing needs none
             checkpoints.load_into(trainer.model, weights)
             if trainer.prox_model is not None:
                 checkpoints.load_into(trainer.prox_model, previous)
@@ -158,11 +161,13 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
             t0 = time.perf_counter()
             figures = train_recorded_batch(trainer, cfg, record, batch)
             took[prox].append(time.perf_counter() - t0)
-            if n > 0:
-                times[prox].append(took[prox][-1])
-                prox_s[prox].append(figures["time/prox_s"])
-        if n > 0:
-            ratios.append(sum(took["recompute"]) / sum(took["loglinear"]))
+            took_prox[prox].append(figures["time/prox_s"])
+        if n == 0:
+            continue
+        for prox in METHODS:
+            times[prox] += took[prox]
+            prox_s[prox] += took_prox[prox]
+        ratios.append(sum(took["recompute"]) / sum(took["loglinear"]))
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     return {"train_step_speedup": statistics.median(ratios), "batches": len(ratios), "speedup_q1": q1, "speedup_q3": q3,
             **{f"train_step_s_{prox}": statistics.median(times[prox]) for prox in METHODS},
