@@ -43,6 +43,7 @@ class _Progress:
         self.total = 0
         self.t_start = time.perf_counter()
         self.done_iters = 0
+        self.run_id: str | None = None  # known once the flow has set the run up
 
     def _line(self, text: str) -> None:
         if not self.live:
@@ -50,6 +51,7 @@ class _Progress:
 
     def __call__(self, e: dict) -> None:
         kind = e["event"]
+        self.run_id = e.get("run_id") or self.run_id
         if kind == "setup":
             self.progress.start()
         elif kind == "bootstrap":
@@ -85,10 +87,12 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool) -> 
     from configs.schema import ConfigError, load_config
 
     try:
-        load_config(config_path, overrides)  # fail fast, before Prefect or any work starts
+        cfg = load_config(config_path, overrides)  # fail fast, before Prefect or any work starts
     except ConfigError as e:
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
+    from prefect.exceptions import TerminationSignal
+
     import flows.train as train_mod
     from tasks.session import RunExistsError
 
@@ -100,6 +104,16 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool) -> 
     except (RunExistsError, FileNotFoundError) as e:
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
+    except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C, or SIGTERM (see _interrupt_on_sigterm): the flow has
+        # unwound and cleaned up
+        progress.stop()
+        run_id = progress.run_id or cfg.run.run_id
+        if run_id is None:  # stopped before the run was created: nothing to resume
+            console.print("interrupted before the run started", highlight=False)
+        else:
+            console.print(f"interrupted: run {run_id} keeps its promoted versions; continue it with "
+                          f"`lockstep resume {run_id} --lake {cfg.lake.uri}`", highlight=False)
+        return 130
     finally:
         progress.stop()
     console.print(
@@ -325,8 +339,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt_on_sigterm() -> None:
+    """Let SIGTERM (`kill`, a scheduler stopping the job) unwind the run as Ctrl-C does.
+
+    While the flow runs, Prefect's own handler raises TerminationSignal and, once the flow run is marked crashed,
+    passes the signal on to the handler it found. That was Python's default, which ends the process at once: no
+    `finally`, no atexit, so the ephemeral Prefect API server was left running (~9% of a core, seen here). As
+    KeyboardInterrupt the process unwinds: rollout workers stop, the MLflow run ends KILLED, the API server stops.
+    Promoted versions are durable either way, and `lockstep resume` continues from the last one."""
+    import signal
+
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, raise_interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_environment()
+    _interrupt_on_sigterm()
     args = build_parser().parse_args(argv)
     return args.func(args)
 

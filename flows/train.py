@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from prefect import flow
+from prefect.exceptions import TerminationSignal
 
 from configs.schema import Config, load_config
 from storage import ledger
@@ -165,6 +166,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
                                                                           "steps": cfg.bootstrap.steps,
                                                                           "loss": loss}), resume=resume)
     status = "FAILED"
+    audit: list = []  # the future of the previous iteration's audit task (submitted beside this iteration)
     try:
         start_iteration = s.version  # iteration k produces version k+1
         _settle_ledger(s)
@@ -173,7 +175,6 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         progress_hook({"event": "start", "run_id": s.run_id, "iterations": cfg.run.iterations,
                        "start": start_iteration, "accuracy": acc0})
         history = []
-        audit: list = []  # the future of the previous iteration's audit task (submitted beside this iteration)
         if cfg.pipeline.catalog:  # a crash may have cut a catalog write short: index those iterations again
             for rec in ledger.read_all(s.lake, s.run_id):
                 if rec["state"] == "promoted" and not rec.get("cataloged"):
@@ -227,7 +228,12 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         progress_hook({"event": "done", **summary})
         status = "FINISHED"
         return {**summary, "history": history}
+    except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C, or SIGTERM (Prefect's handler while the flow runs):
+        status = "KILLED"  # stopped, not failed
+        raise
     finally:
+        for f in audit:  # a failure or a stop cut the run short: let the audit beside it end before the session does
+            f.wait()
         s.tracker.finish(status)
         s.close()
         unregister(s.run_id)

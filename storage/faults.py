@@ -1,5 +1,6 @@
 """Failpoints for the resilience tests: `LOCKSTEP_FAULT=name@n` SIGKILLs the process the n-th time it passes
-the point `name` (n defaults to 1). Unset, a failpoint is a dictionary lookup. Several may be given, comma-separated.
+the point `name` (n defaults to 1); `name@n:TERM` sends SIGTERM instead (a polite stop: the CLI unwinds the run).
+Unset, a failpoint is a dictionary lookup. Several may be given, comma-separated.
 
 Points: `shard-write` (a shard's bytes written under _tmp/, not yet published), `after-plan` (rollouts in
 flight), `mid-train` (after the first micro-step), `mid-checkpoint` (checkpoint files written, not yet moved
@@ -16,12 +17,19 @@ from collections import Counter
 _passes: Counter = Counter()
 
 
-def _armed() -> dict[str, int]:
+_SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+
+
+def _armed() -> dict[str, tuple[int, int]]:
+    """point name -> (pass that fires, signal)."""
     spec = os.environ.get("LOCKSTEP_FAULT", "")
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, n = item.partition("@")
-        out[name] = int(n or 1)
+        name, _, rest = item.partition("@")
+        n, _, sig = rest.partition(":")
+        if (sig or "KILL") not in _SIGNALS:
+            raise ValueError(f"LOCKSTEP_FAULT={spec!r}: signal {sig!r} of {name!r} is not one of {sorted(_SIGNALS)}")
+        out[name] = (int(n or 1), _SIGNALS[sig or "KILL"])
     return out
 
 
@@ -30,5 +38,6 @@ def point(name: str) -> None:
     if name not in armed:
         return
     _passes[name] += 1
-    if _passes[name] == armed[name]:
-        os.kill(os.getpid(), signal.SIGKILL)
+    n, sig = armed[name]
+    if _passes[name] == n:
+        os.kill(os.getpid(), sig)

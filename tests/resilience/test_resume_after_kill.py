@@ -27,9 +27,10 @@ ITERS = 3
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _lockstep(args: list[str], tmp: Path, fault: str | None = None) -> tuple[int, str]:
+def _lockstep(args: list[str], tmp: Path, fault: str | None = None, survivors: list | None = None) -> tuple[int, str]:
     """Run the CLI in its own process group; afterwards kill whatever the run left behind (a SIGKILLed flow
-    cannot stop its Prefect API server subprocess), so pipes close and nothing leaks into later tests."""
+    cannot stop its Prefect API server subprocess), so pipes close and nothing leaks into later tests. With
+    `survivors`, first give the group 20 s to empty and put the command lines of what is still alive in it."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("LOCKSTEP_FAULT", None)
     if fault:
@@ -40,6 +41,11 @@ def _lockstep(args: list[str], tmp: Path, fault: str | None = None) -> tuple[int
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=600)
+            if survivors is not None:
+                deadline = time.monotonic() + 20
+                while (alive := _group_members(proc.pid)) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                survivors.extend(alive)
         finally:
             _kill_group(proc.pid)
     return code, log.read_text()
@@ -74,6 +80,21 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _group_members(pgid: int) -> list[str]:
+    """Command lines of the live (not zombie) processes of process group `pgid`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        stat = _stat(entry)
+        if stat is None or int(stat[2]) != pgid or stat[0] == "Z":
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                out.append(f.read().replace(b"\0", b" ").decode(errors="replace").strip())
+        except OSError:
+            continue
+    return out
 
 
 def _stat(pid: str) -> list[str] | None:
@@ -152,6 +173,42 @@ def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code):
     # nothing stray is left in the rollouts folders either (a duplicate chunk would show here)
     on_disk = lake.fs.glob(f"{lake.run_dir(run_id)}/rollouts/*/*/*.arrow")
     assert len(on_disk) == ITERS * 4
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference):
+    """SIGTERM (`kill`, a job scheduler's stop) mid-train unwinds the run as Ctrl-C does: exit 130 and the resume
+    command on the console, the MLflow run ended KILLED, nothing of the run left alive (rollout workers, the
+    ephemeral Prefect API server); `lockstep resume` then finishes it equal to the uninterrupted run."""
+    tmp, ref_params = reference
+    run_id = "k-term"
+    cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
+    left: list[str] = []
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@6:TERM", survivors=left)
+    assert code == 130, log[-3000:]
+    lake_uri = str(tmp / "lake")
+    assert f"lockstep resume {run_id} --lake {lake_uri}" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert left == [], f"still running 20 s after the run stopped: {left}"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id],
+                                filter_string=f"tags.`lockstep.run_id` = '{run_id}'")
+    assert run.info.status == "KILLED"
+    lake = Lake(lake_uri)
+    assert [r["state"] for r in ledger.read_all(lake, run_id)][0] == "promoted"
+    assert ledger.read_all(lake, run_id)[-1]["state"] != "promoted"
+
+    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp)
+    assert code == 0, log[-3000:]
+    assert [r["state"] for r in ledger.read_all(lake, run_id)] == ["promoted"] * ITERS
+    params = final_params(lake_uri, run_id, ITERS)
+    diff = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
+    assert diff <= 1e-5, f"resumed run differs from the uninterrupted one by {diff}"
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id],
+                                filter_string=f"tags.`lockstep.run_id` = '{run_id}'")
+    assert run.info.status == "FINISHED"
 
 
 @pytest.mark.slow
