@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
+from configs.schema import load_config
 from models.arithmetic import OPS, Problem, build_splits, extract_answer, make_prompts, reward
 from models.tiny import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, single_token_id
+
+REPO = Path(__file__).resolve().parents[2]
 
 SHOT = re.compile(r"Q: (\d+)([+*-])(\d+)=\?\nA: (-?\d+)\n")
 
@@ -61,18 +65,20 @@ def test_split_errors():
 # ------------------------------------------------------------------------------------------------ prompts
 
 
-@pytest.fixture(scope="module")
-def default_prompts():
-    """The demo's prompts, built exactly as tasks/session.py builds them from the default config."""
-    train, held = build_splits(30, ("+",), 200, 1234)
-    return train, held, make_prompts(train, train, 8, 1234), make_prompts(held, train, 8, 1235)
+@pytest.fixture(scope="module", params=["defaults", "arith-tiny.yaml"])
+def default_prompts(request):
+    """The prompts of the default config and of the demo's, built exactly as tasks/session.py builds them."""
+    t = load_config(None if request.param == "defaults" else REPO / "configs" / request.param).task
+    train, held = build_splits(t.max_operand, tuple(t.ops), t.n_eval, t.split_seed)
+    return (train, held, make_prompts(train, train, t.n_shots, t.split_seed),
+            make_prompts(held, train, t.n_shots, t.split_seed + 1), t.n_shots)
 
 
 def test_prompt_length_in_tokens_is_100_to_200(default_prompts):
-    # 8 shots of "Q: a+b=?\nA: c\n" (14-17 characters) plus "Q: a+b=?\nA: " (12-14): 124 to 150 characters,
-    # and the tokenizer is one token per character
+    # shots of "Q: a+b=?\nA: c\n" (14-17 characters) plus "Q: a+b=?\nA: " (12-14): 8 shots (the default) make
+    # 124 to 150 characters, the demo's 6 at least 96 (102 in fact); the tokenizer is one token per character
     tok = build_char_tokenizer()
-    _, _, train_prompts, eval_prompts = default_prompts
+    _, _, train_prompts, eval_prompts, _ = default_prompts
     for p in train_prompts + eval_prompts:
         ids = tok(p.text, add_special_tokens=False)["input_ids"]
         assert 100 <= len(ids) <= 200, (p.prompt_id, len(ids))
@@ -80,26 +86,26 @@ def test_prompt_length_in_tokens_is_100_to_200(default_prompts):
 
 
 def test_prompt_format_and_correct_shots(default_prompts):
-    train, held, train_prompts, eval_prompts = default_prompts
+    train, held, train_prompts, eval_prompts, n_shots = default_prompts
     for problems, prompts in ((train, train_prompts), (held, eval_prompts)):
         assert [p.prompt_id for p in prompts] == list(range(len(problems)))
         for problem, prompt in zip(problems, prompts, strict=True):
             shots, question = parse(prompt.text)
             assert question == problem.question and prompt.answer == problem.answer
-            assert len(shots) == 8
+            assert len(shots) == n_shots
             assert all(answer == shot.answer for shot, answer in shots)  # solved correctly
-            assert len({shot for shot, _ in shots}) == 8  # no repeated shot
+            assert len({shot for shot, _ in shots}) == n_shots  # no repeated shot
 
 
 def test_shots_never_include_the_question(default_prompts):
-    train, held, train_prompts, eval_prompts = default_prompts
+    train, held, train_prompts, eval_prompts, _ = default_prompts
     for problem, prompt in zip(train + held, train_prompts + eval_prompts, strict=True):
         shots, _ = parse(prompt.text)
         assert problem not in {s for s, _ in shots}
 
 
 def test_eval_prompts_never_show_held_out_problems(default_prompts):
-    _, held, _, eval_prompts = default_prompts
+    _, held, _, eval_prompts, _ = default_prompts
     held_set = set(held)
     for prompt in eval_prompts:
         assert not {s for s, _ in parse(prompt.text)[0]} & held_set
@@ -117,9 +123,9 @@ def test_question_in_its_own_shot_pool_is_removed():
 
 
 def test_prompts_are_deterministic_and_vary_with_seed_and_index(default_prompts):
-    train, _, train_prompts, _ = default_prompts
-    assert make_prompts(train[:50], train, 8, 1234) == train_prompts[:50]
-    other = make_prompts(train[:50], train, 8, 99)
+    train, _, train_prompts, _, n_shots = default_prompts
+    assert make_prompts(train[:50], train, n_shots, 1234) == train_prompts[:50]
+    other = make_prompts(train[:50], train, n_shots, 99)
     assert sum(a.text != b.text for a, b in zip(other, train_prompts[:50], strict=True)) >= 45
     assert len({tuple(parse(p.text)[0]) for p in train_prompts[:50]}) == 50  # different shots per prompt
 

@@ -62,6 +62,7 @@ def test_arith_tiny_values():
         2.0e-4, "cosine", 10, 0.1)
     assert cfg.model.path is None and cfg.model.tiny.hidden_size == 128 and cfg.model.tiny.num_kv_heads == 2
     assert cfg.bootstrap.lr == 3.0e-3 and isinstance(cfg.bootstrap.lr, float) and cfg.bootstrap.target_accuracy == 0.5
+    assert cfg.bootstrap.steps == 800 and cfg.task.n_shots == 6
     assert cfg.train.micro_batch_tokens == 4096
     assert cfg.pipeline.mode == "periodic"
 
