@@ -43,7 +43,8 @@ def _lockstep(args: list[str], tmp: Path, fault: str | None = None, survivors: l
             code = proc.wait(timeout=600)
             if survivors is not None:
                 deadline = time.monotonic() + 20
-                while (alive := _group_members(proc.pid)) and time.monotonic() < deadline:
+                while (alive := [cmd for _, state, cmd in _group(proc.pid) if state != "Z"]) and (
+                        time.monotonic() < deadline):
                     time.sleep(0.2)
                 survivors.extend(alive)
         finally:
@@ -56,20 +57,12 @@ def _kill_group(pgid: int) -> None:
     unlinks the semaphores its killed clients registered and exits. Killed with the rest, it left 9 POSIX semaphores
     in /dev/shm per kill-and-resume test (counted here)."""
     trackers = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        stat = _stat(entry)
-        if stat is None or int(stat[2]) != pgid:  # field 5 of /proc/PID/stat: the process group
+    for pid, _, cmd in _group(pgid):
+        if "resource_tracker" in cmd:
+            trackers.append(pid)
             continue
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                tracker = b"resource_tracker" in f.read()
-        except OSError:
-            continue
-        if tracker:
-            trackers.append(entry)
-            continue
-        try:
-            os.kill(int(entry), signal.SIGKILL)
+            os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + 10
@@ -82,16 +75,16 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _group_members(pgid: int) -> list[str]:
-    """Command lines of the live (not zombie) processes of process group `pgid`."""
+def _group(pgid: int) -> list[tuple[str, str, str]]:
+    """(pid, state, command line) of each process of process group `pgid` ("Z" is a zombie's state)."""
     out = []
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         stat = _stat(entry)
-        if stat is None or int(stat[2]) != pgid or stat[0] == "Z":
+        if stat is None or int(stat[2]) != pgid:  # field 5 of /proc/PID/stat: the process group
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                out.append(f.read().replace(b"\0", b" ").decode(errors="replace").strip())
+                out.append((entry, stat[0], f.read().replace(b"\0", b" ").decode(errors="replace").strip()))
         except OSError:
             continue
     return out
@@ -197,8 +190,8 @@ def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference):
                                 filter_string=f"tags.`lockstep.run_id` = '{run_id}'")
     assert run.info.status == "KILLED"
     lake = Lake(lake_uri)
-    assert [r["state"] for r in ledger.read_all(lake, run_id)][0] == "promoted"
-    assert ledger.read_all(lake, run_id)[-1]["state"] != "promoted"
+    states = [r["state"] for r in ledger.read_all(lake, run_id)]
+    assert states[0] == "promoted" and states[-1] != "promoted"
 
     code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp)
     assert code == 0, log[-3000:]
