@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -133,11 +134,11 @@ def _lower_api_server_priority(nice: int) -> None:
     On 2 cores the server's event recording took ~20% of a core beside one rollout and one training thread."""
     if nice <= 0 or not hasattr(os, "setpriority"):
         return
-    try:
-        from prefect.server.api.server import SubprocessASGIServer
-    except ImportError:  # another Prefect layout: leave the server as it is
-        return
-    for server in list(getattr(SubprocessASGIServer, "_instances", {}).values()):
+    # Prefect imports its server module only to start an ephemeral server; with PREFECT_API_URL set (a served run,
+    # the tests' shared server) it is not loaded, and importing it here would cost ~3 s for nothing.
+    module = sys.modules.get("prefect.server.api.server")
+    server_class = getattr(module, "SubprocessASGIServer", None)  # None too in another Prefect layout
+    for server in list(getattr(server_class, "_instances", {}).values()):
         proc = getattr(server, "server_process", None)
         if proc is None or proc.poll() is not None:
             continue

@@ -27,12 +27,17 @@ ITERS = 3
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _lockstep(args: list[str], tmp: Path, fault: str | None = None, survivors: list | None = None) -> tuple[int, str]:
+def _lockstep(args: list[str], tmp: Path, fault: str | None = None, survivors: list | None = None,
+              api: str | None = None) -> tuple[int, str]:
     """Run the CLI in its own process group; afterwards kill whatever the run left behind (a SIGKILLed flow
     cannot stop its Prefect API server subprocess), so pipes close and nothing leaks into later tests. With
-    `survivors`, first give the group 20 s to empty and put the command lines of what is still alive in it."""
+    `survivors`, first give the group 20 s to empty and put the command lines of what is still alive in it.
+    With `api`, the run talks to that Prefect API instead of starting its own ephemeral server."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("LOCKSTEP_FAULT", None)
+    env.pop("PREFECT_API_URL", None)
+    if api:
+        env["PREFECT_API_URL"] = api
     if fault:
         env["LOCKSTEP_FAULT"] = fault
     log = tmp / f"{args[0]}-{(fault or 'clean').replace('@', '-')}.log"
@@ -108,6 +113,18 @@ def reference(tmp_path_factory):
     return tmp, final_params(str(tmp / "lake"), "ref", ITERS)
 
 
+@pytest.fixture(scope="module")
+def api(reference) -> str:
+    """The Prefect API the CLI runs of these tests share: the ephemeral server this test process started for the
+    reference run (Prefect keeps one per process). A run's own ephemeral server costs ~8 s of a ~30-s tiny run;
+    killed and resumed runs behave the same on either. The SIGTERM test still starts its own, to see it stopped."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the instance Prefect's client started; start() returns at once if running
+    server.start()
+    return server.api_url
+
+
 # (failpoint, expected exit of the killed run): -9 when the flow's own process is killed, 1 when a rollout
 # worker dies mid-write and the flow fails cleanly (ledger marks the iteration failed).
 POINTS = [
@@ -122,11 +139,11 @@ POINTS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,exit_code", POINTS, ids=[p[0] for p in POINTS])
-def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code):
+def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code, api):
     tmp, ref_params = reference
     run_id = "k-" + fault.replace("@", "-")
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
-    code, log = _lockstep(["train", cfg], tmp, fault=fault)
+    code, log = _lockstep(["train", cfg], tmp, fault=fault, api=api)
     assert code == exit_code, log[-3000:]
     lake_uri = str(tmp / "lake")
     lake = Lake(lake_uri)
@@ -134,7 +151,7 @@ def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code):
         "promoted"
     ), "the killed run should not have finished"
 
-    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp)
+    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp, api=api)
     assert code == 0, log[-3000:]
 
     params = final_params(lake_uri, run_id, ITERS)
@@ -169,7 +186,7 @@ def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference):
+def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference, api):
     """SIGTERM (`kill`, a job scheduler's stop) mid-train unwinds the run as Ctrl-C does: exit 130 and the resume
     command on the console, the MLflow run ended KILLED, nothing of the run left alive (rollout workers, the
     ephemeral Prefect API server); `lockstep resume` then finishes it equal to the uninterrupted run."""
@@ -193,7 +210,7 @@ def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference):
     states = [r["state"] for r in ledger.read_all(lake, run_id)]
     assert states[0] == "promoted" and states[-1] != "promoted"
 
-    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp)
+    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp, api=api)
     assert code == 0, log[-3000:]
     assert [r["state"] for r in ledger.read_all(lake, run_id)] == ["promoted"] * ITERS
     params = final_params(lake_uri, run_id, ITERS)
@@ -205,13 +222,13 @@ def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference):
 
 
 @pytest.mark.slow
-def test_damaged_shards_are_quarantined_and_regenerated(reference):
+def test_damaged_shards_are_quarantined_and_regenerated(reference, api):
     """Kill mid-rollout, then truncate one shard of the interrupted iteration and flip a bit in another:
     resume must detect both, move them to quarantine/, regenerate them, and still equal the reference."""
     tmp, ref_params = reference
     run_id = "k-damaged"
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
-    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@6")
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@6", api=api)
     assert code == -9, log[-3000:]
     lake_uri = str(tmp / "lake")
     lake = Lake(lake_uri)
@@ -223,7 +240,7 @@ def test_damaged_shards_are_quarantined_and_regenerated(reference):
     data[data.index(b"Q: ")] ^= 0x01  # one flipped bit inside the prompt text ('Q' -> 'P')
     Path(shards[1]).write_bytes(bytes(data))
 
-    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp)
+    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp, api=api)
     assert code == 0, log[-3000:]
     rec = ledger.read_record(lake, run_id, 1)
     assert len(rec["quarantined"]) == 2
@@ -236,7 +253,7 @@ def test_damaged_shards_are_quarantined_and_regenerated(reference):
 
 
 @pytest.mark.slow
-def test_async_run_killed_mid_train_resumes_within_the_staleness_bound(reference):
+def test_async_run_killed_mid_train_resumes_within_the_staleness_bound(reference, api):
     """An async run (max_staleness 2, interruption on) SIGKILLed mid-train resumes: later batches' shards already in
     the lake are reused, the run completes, every sample appears once, and no trained token is more than 2 versions
     behind (async runs are not reproducible to the bit: which version made a token depends on timing). It recomputes
@@ -247,11 +264,11 @@ def test_async_run_killed_mid_train_resumes_within_the_staleness_bound(reference
     iters = 5
     cfg = write_config(tmp, run_id, {"run.iterations": iters, "pipeline.mode": "async", "pipeline.max_staleness": 2,
                                      "rollout.interrupt_on_update": True, "algorithm.prox_logp": "recompute"})
-    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@10")  # iteration 2, after 2 of its 4 micro-steps
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@10", api=api)  # iteration 2, after 2 of its 4 micro-steps
     assert code == -9, log[-3000:]
     lake = Lake(str(tmp / "lake"))
     assert [r["state"] for r in ledger.read_all(lake, run_id)][:2] == ["promoted", "promoted"]
-    code, log = _lockstep(["resume", run_id, "--lake", str(tmp / "lake")], tmp)
+    code, log = _lockstep(["resume", run_id, "--lake", str(tmp / "lake")], tmp, api=api)
     assert code == 0, log[-3000:]
     records = ledger.read_all(lake, run_id)
     assert [r["state"] for r in records] == ["promoted"] * iters
@@ -268,7 +285,7 @@ def test_async_run_killed_mid_train_resumes_within_the_staleness_bound(reference
 
 
 @pytest.mark.slow
-def test_rollouts_of_a_version_that_never_became_durable_are_set_aside(reference):
+def test_rollouts_of_a_version_that_never_became_durable_are_set_aside(reference, api):
     """With `pipeline.push_weights` the workers get version k+1 from memory while its checkpoint is still being
     written. A crash in that window leaves shards of version k+1 but PROMOTED at k. Resume must retrain iteration
     k and regenerate iteration k+1's samples rather than reuse samples of a version that was never durable.
@@ -280,7 +297,7 @@ def test_rollouts_of_a_version_that_never_became_durable_are_set_aside(reference
     tmp, ref_params = reference
     run_id = "k-undurable"
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
-    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@10")  # iteration 2, after 2 of its 4 micro-steps
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@10", api=api)  # iteration 2, after 2 of its 4 micro-steps
     assert code == -9, log[-3000:]
     lake_uri = str(tmp / "lake")
     lake = Lake(lake_uri)
@@ -301,7 +318,7 @@ def test_rollouts_of_a_version_that_never_became_durable_are_set_aside(reference
     else:  # the kill itself fell in the window
         assert rec["state"] == "trained" and json.loads(Path(lake.promoted_file(run_id)).read_text())["version"] == 1
 
-    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp)
+    code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp, api=api)
     assert code == 0, log[-3000:]
     moved = lake.fs.glob(f"{lake.run_dir(run_id)}/quarantine/unpromoted-*/policy_version=2/iter-000002/*.arrow")
     assert sorted(p.rsplit("/", 1)[-1] for p in moved) == sorted(p.rsplit("/", 1)[-1] for p in v2_shards)
