@@ -362,5 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def run() -> None:
+    """The `lockstep` command (also `python -m flows.cli`): `main`, then exit with its code.
+
+    The interpreter's last garbage collection at exit walks every object the libraries of a run (torch,
+    transformers, Prefect, MLflow) left on the heap: ~2.5 s after a tiny run, a tenth of the command's time.
+    `gc.freeze()` first moves them where that collection does not look. Everything else of the exit still happens
+    (non-daemon threads joined, atexit handlers, module teardown); nothing of lockstep relies on the collector at
+    exit: shards, checkpoints, the ledger and MLflow are written, closed and flushed before `main` returns."""
+    code = main()
+    import gc
+
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
