@@ -8,6 +8,7 @@ A bad config exits with code 2 and a message naming the file, the field and the 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -371,8 +372,6 @@ def run() -> None:
     (non-daemon threads joined, atexit handlers, module teardown); nothing of lockstep relies on the collector at
     exit: shards, checkpoints, the ledger and MLflow are written, closed and flushed before `main` returns."""
     code = main()
-    import gc
-
     gc.freeze()
     sys.exit(code)
 
