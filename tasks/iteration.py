@@ -273,8 +273,8 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
         storage += time.perf_counter() - t1
         if groups_done + sum(len(g) for _, _, g in landed) >= expected_groups:  # all in: workers idle till promotion
             torch.set_num_threads(idle_rollout_threads(s.cfg))
-        t2 = time.perf_counter()
-        for path, _, groups in landed:
+        for path, checksum, groups in landed:
+            t2 = time.perf_counter()
             shard_staleness = [s.version - v for g in groups for tv in g.token_versions for v in tv]
             if shard_staleness and not 0 <= min(shard_staleness) <= max(shard_staleness) <= max_staleness:
                 raise ShardError(f"{path}: tokens {max(shard_staleness)} versions behind the trainer's {s.version} "
@@ -283,11 +283,8 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             for g in groups:
                 rewards.extend(g.rewards)
             staleness.extend(shard_staleness)
-        # every shard that landed since the last pass goes into the same micro-batches (up to the token budget):
-        # larger micro-steps use a second thread better (sync, or once the trainer borrows the workers' threads)
-        steps.add([g for _, _, groups in landed for g in groups])
-        busy += time.perf_counter() - t2
-        for path, checksum, groups in landed:
+            steps.add(groups)
+            busy += time.perf_counter() - t2
             groups_done += len(groups)
             shards.append({"path": path, "checksum": checksum, "groups": len(groups)})
     t3 = time.perf_counter()
