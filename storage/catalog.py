@@ -38,7 +38,11 @@ def _upsert(db, name: str, table: pa.Table, key: str) -> None:
     try:
         tbl = db.open_table(name)
     except ValueError:  # absent, or left without a first version by a crash during its creation
-        db.create_table(name, table, mode="overwrite")
+        from lancedb.index import BTree
+
+        # the merge key indexed: without it every merge scans the whole key column (at 300 demo iterations
+        # ~11 ms of CPU per merge and growing with the table; with it ~6 ms, flat); `optimize` keeps it current
+        db.create_table(name, table, mode="overwrite").create_index(key, config=BTree())
         return
     tbl.merge_insert(key).when_matched_update_all().when_not_matched_insert_all().execute(table)
 
