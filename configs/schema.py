@@ -76,6 +76,8 @@ class TaskSection(_Section):
     max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")
     n_shots: int = Field(8, ge=0, le=64, description="Solved examples in each prompt (makes prompts long).")
+    shot_sets: int = Field(1, ge=1, le=64, description="Few-shot contexts per training problem: each is a training "
+                           "prompt of its own, its shots drawn independently (held-out prompts keep one).")
     n_eval: int = Field(200, ge=1, description="Held-out problems for eval/accuracy (greedy exact match).")
     partial_credit: float = Field(0.5, ge=0.0, lt=1.0, description="Reward weight of per-digit credit (0: exact only).")
     split_seed: int = Field(1234, ge=0, description="Seed of the train / held-out split (fixed across runs).")

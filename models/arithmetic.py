@@ -66,6 +66,21 @@ def make_prompts(problems: list[Problem], shots_from: list[Problem], n_shots: in
     return prompts
 
 
+def make_train_prompts(train: list[Problem], n_shots: int, split_seed: int, shot_sets: int = 1) -> list[Prompt]:
+    """The training prompts: `shot_sets` prompts per training problem, each set with its own shots, set after set
+    and numbered in that order (set k's problem i is prompt k * len(train) + i).
+
+    Set 0 is seeded by `split_seed` (the prompts of one set, as ever), set k > 0 by `split_seed + 1 + k`:
+    `split_seed + 1` seeds the held-out prompts, whose problem i would otherwise get the same shots as set 1's.
+    More sets show each problem in several contexts (the demo's 4 sets: README has what they did to its gains).
+    """
+    prompts = []
+    for k in range(shot_sets):
+        for p in make_prompts(train, train, n_shots, split_seed + (k and k + 1)):
+            prompts.append(Prompt(k * len(train) + p.prompt_id, p.text, p.answer))
+    return prompts
+
+
 def extract_answer(response: str) -> str:
     """The model's answer: the response up to the first newline, stripped."""
     return response.split("\n", 1)[0].strip()

@@ -163,7 +163,7 @@ def task_prompts(cfg: Config, tokenizer) -> tuple[list, list, list, list]:
     t = cfg.task
     if t.kind == "arithmetic":
         train, held_out = arithmetic.build_splits(t.max_operand, tuple(t.ops), t.n_eval, t.split_seed)
-        train_prompts = arithmetic.make_prompts(train, train, t.n_shots, t.split_seed)
+        train_prompts = arithmetic.make_train_prompts(train, t.n_shots, t.split_seed, t.shot_sets)
         eval_prompts = arithmetic.make_prompts(held_out, train, t.n_shots, t.split_seed + 1)
     else:
         train_prompts, eval_prompts = _dataset_prompts(cfg)

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from configs.schema import load_config
-from models.arithmetic import OPS, Problem, build_splits, extract_answer, make_prompts, reward
+from models.arithmetic import (
+    OPS,
+    Problem,
+    build_splits,
+    extract_answer,
+    make_prompts,
+    make_train_prompts,
+    reward,
+)
 from models.tiny import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, single_token_id
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +78,7 @@ def default_prompts(request):
     """The prompts of the default config and of the demo's, built exactly as tasks/session.py builds them."""
     t = load_config(None if request.param == "defaults" else REPO / "configs" / request.param).task
     train, held = build_splits(t.max_operand, tuple(t.ops), t.n_eval, t.split_seed)
-    return (train, held, make_prompts(train, train, t.n_shots, t.split_seed),
+    return (train, held, make_train_prompts(train, t.n_shots, t.split_seed, t.shot_sets),
             make_prompts(held, train, t.n_shots, t.split_seed + 1), t.n_shots)
 
 
@@ -87,7 +95,8 @@ def test_prompt_length_in_tokens_is_100_to_200(default_prompts):
 
 def test_prompt_format_and_correct_shots(default_prompts):
     train, held, train_prompts, eval_prompts, n_shots = default_prompts
-    for problems, prompts in ((train, train_prompts), (held, eval_prompts)):
+    sets = len(train_prompts) // len(train)  # the training problems, once per shot set
+    for problems, prompts in ((train * sets, train_prompts), (held, eval_prompts)):
         assert [p.prompt_id for p in prompts] == list(range(len(problems)))
         for problem, prompt in zip(problems, prompts, strict=True):
             shots, question = parse(prompt.text)
@@ -99,7 +108,8 @@ def test_prompt_format_and_correct_shots(default_prompts):
 
 def test_shots_never_include_the_question(default_prompts):
     train, held, train_prompts, eval_prompts, _ = default_prompts
-    for problem, prompt in zip(train + held, train_prompts + eval_prompts, strict=True):
+    sets = len(train_prompts) // len(train)
+    for problem, prompt in zip(train * sets + held, train_prompts + eval_prompts, strict=True):
         shots, _ = parse(prompt.text)
         assert problem not in {s for s, _ in shots}
 
@@ -128,6 +138,23 @@ def test_prompts_are_deterministic_and_vary_with_seed_and_index(default_prompts)
     other = make_prompts(train[:50], train, n_shots, 99)
     assert sum(a.text != b.text for a, b in zip(other, train_prompts[:50], strict=True)) >= 45
     assert len({tuple(parse(p.text)[0]) for p in train_prompts[:50]}) == 50  # different shots per prompt
+
+
+def test_shot_sets_give_each_problem_its_own_contexts():
+    train, held = build_splits(30, ("+",), 200, 1234)
+    one, four = make_train_prompts(train, 6, 1234), make_train_prompts(train, 6, 1234, shot_sets=4)
+    assert one == make_prompts(train, train, 6, 1234)  # one set: the prompts as ever
+    assert four[: len(train)] == one and len(four) == 4 * len(train) == 3044
+    assert [p.prompt_id for p in four] == list(range(3044))
+    held_shots = [parse(p.text)[0] for p in make_prompts(held, train, 6, 1235)]
+    for i, problem in enumerate(train):
+        sets = [four[k * len(train) + i] for k in range(4)]
+        assert {parse(p.text)[1] for p in sets} == {problem.question} and {p.answer for p in sets} == {problem.answer}
+        shots = [tuple(s for s, _ in parse(p.text)[0]) for p in sets]
+        assert all(problem not in sh and set(sh) <= set(train) for sh in shots)
+        assert len(set(shots)) == 4, (i, shots)  # four different contexts
+        if i < len(held):  # the held-out prompts' seed (split_seed + 1) is not a training set's
+            assert all(list(sh) != [s for s, _ in held_shots[i]] for sh in shots[1:])
 
 
 def test_zero_shots():

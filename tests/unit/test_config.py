@@ -62,7 +62,7 @@ def test_arith_tiny_values():
         2.0e-4, "cosine", 10, 0.1)
     assert cfg.model.path is None and cfg.model.tiny.hidden_size == 128 and cfg.model.tiny.num_kv_heads == 2
     assert cfg.bootstrap.lr == 3.0e-3 and isinstance(cfg.bootstrap.lr, float) and cfg.bootstrap.target_accuracy == 0.5
-    assert cfg.bootstrap.steps == 800 and cfg.task.n_shots == 6
+    assert cfg.bootstrap.steps == 800 and cfg.task.n_shots == 6 and cfg.task.shot_sets == 4
     assert cfg.train.micro_batch_tokens == 4096
     assert cfg.pipeline.mode == "periodic"
 
@@ -74,7 +74,7 @@ def test_defaults():
     assert cfg.lake.uri == "./lake" and cfg.lake.compression is None
     assert cfg.trainer.lr == 1e-4 and cfg.trainer.grad_clip == 1.0 and cfg.trainer.device == "auto"
     assert cfg.rollout.group_size == 8 and cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0
-    assert cfg.task.ops == ["+"] and cfg.task.n_shots == 8 and cfg.task.partial_credit == 0.5
+    assert cfg.task.ops == ["+"] and cfg.task.n_shots == 8 and cfg.task.shot_sets == 1 and cfg.task.partial_credit == 0.5
     assert cfg.pipeline.mode == "periodic" and cfg.pipeline.max_staleness == 0
     assert cfg.algorithm.advantage == "grpo" and cfg.algorithm.loss_agg == "token-mean"
 
