@@ -231,6 +231,10 @@ class Config(_Section):
                              "weights never change during generation); set it to false or use mode: async")
         if self.task.kind == "dataset" and self.task.dataset is None:
             raise ValueError("task.kind 'dataset' needs a task.dataset section with at least `uri`")
+        if self.task.shot_sets > 1 and (self.task.kind != "arithmetic" or self.task.n_shots == 0):
+            raise ValueError(f"task.shot_sets={self.task.shot_sets} draws other shots for each synthetic arithmetic "
+                             f"prompt: it needs task.kind 'arithmetic' and task.n_shots > 0 (here "
+                             f"{self.task.kind!r}, {self.task.n_shots}); set shot_sets to 1")
         if self.rollout.engine == "vllm" and self.rollout.interrupt_on_update:
             raise ValueError("rollout.interrupt_on_update needs rollout.engine 'builtin': vLLM's offline API cannot "
                              "pause a request to swap weights; set interrupt_on_update to false")

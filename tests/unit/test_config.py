@@ -296,6 +296,13 @@ def test_interrupt_needs_async():
     assert (cfg.pipeline.max_staleness, cfg.rollout.interrupt_on_update, cfg.algorithm.prox_logp) == (2, True, "metrics")
 
 
+def test_shot_sets_need_arithmetic_shots():
+    assert "task.shot_sets=4 draws other shots" in load_error(None, ["task.shot_sets=4", "task.n_shots=0"])
+    msg = load_error(None, ["task.shot_sets=2", "task.kind=dataset", "task.dataset.uri=x.jsonl"])
+    assert "needs task.kind 'arithmetic' and task.n_shots > 0 (here 'dataset', 8)" in msg
+    assert load_config(None, ["task.shot_sets=4"]).task.shot_sets == 4
+
+
 def test_vllm_engine_refuses_interruption():
     assert "rollout.interrupt_on_update needs rollout.engine 'builtin'" in load_error(
         None, ["rollout.engine=vllm", "pipeline.mode=async", "rollout.interrupt_on_update=true"])
