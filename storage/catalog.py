@@ -41,7 +41,7 @@ def _upsert(db, name: str, table: pa.Table, key: str) -> None:
         from lancedb.index import BTree
 
         # the merge key indexed: without it every merge scans the whole key column (256-row iterations: ~11 ms of
-        # CPU per merge at iteration 300 and growing with the table; with it ~6 ms, flat); `optimize` keeps it
+        # CPU per merge at iteration 300 and growing with the table; with it ~7 ms, flat); `optimize` keeps it
         # current. A crash between the two calls leaves the table unindexed: merges stay correct, only slower.
         db.create_table(name, table, mode="overwrite").create_index(key, config=BTree())
         return
