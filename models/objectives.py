@@ -37,6 +37,7 @@ __all__ = [
     "policy_loss",
     "proximal_logprobs",
     "staleness_alpha",
+    "trust_region_agreement",
     "whiten_advantages",
 ]
 
@@ -642,6 +643,53 @@ def proximal_logprobs(
         w_err = (torch.exp(prox - b) - torch.exp(ref - b)).abs()  # (B, T)
         metrics["prox/is_weight_err"] = torch.where(m, w_err, 0.0).sum() / n
     return prox, _floats(metrics)
+
+
+def trust_region_agreement(
+    logp: Tensor,
+    prox_logp: Tensor,
+    reference_prox_logp: Tensor,
+    behavior_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    **loss_kwargs: object,
+) -> dict[str, float]:
+    """How far the decoupled loss's gradient with an approximate proximal policy lands from the one with the reference
+    (recomputed) proximal policy, token by token.
+
+    The two proximal policies differ only through the loss: unclipped and uncapped, ``w * r = pi_theta / pi_b`` for
+    any pi_prox, so the approximation matters where the trust region acts (clip, dual clip, IS cap or mask). Both
+    losses are ``decoupled_policy_loss`` with ``loss_kwargs``; ``g_t = d loss_t / d logp_t`` is taken by autograd on
+    a detached copy of ``logp`` (the loss's own math, nothing re-derived). A token is *zeroed* when it has a nonzero
+    advantage and ``g_t == 0`` (its gradient cut by the clip or the IS mask).
+
+    logp, prox_logp, reference_prox_logp, behavior_logp, mask: (B, T); advantages: (B,) or (B, T). Returns per-token
+    means over the mask (so that token-weighted averages over micro-batches stay exact): ``grad_abs_err``
+    (mean |g_approx - g_ref|), ``grad_abs`` (mean |g_ref|), ``zeroed_fraction`` (tokens the approximation zeroes),
+    ``reference_zeroed_fraction`` and ``zeroed_shared_fraction`` (zeroed by both): shared / reference is the recall of
+    the reference's trust region, shared / zeroed its precision.
+    """
+    m = _bool_mask(mask, logp.shape)
+    adv = _token_advantages(advantages, logp.shape)  # (B, T)
+
+    def gradient(prox: Tensor) -> Tensor:
+        x = logp.detach().clone().requires_grad_(True)  # (B, T)
+        with torch.enable_grad():
+            loss, _ = decoupled_policy_loss(x, prox, behavior_logp, adv, mask, **loss_kwargs)
+            (g,) = torch.autograd.grad(loss.sum(), x)
+        return g  # (B, T)
+
+    g_approx, g_ref = gradient(prox_logp), gradient(reference_prox_logp)
+    live = m & (adv != 0)  # (B, T) tokens that would pass a gradient without a trust region
+    zeroed, ref_zeroed = live & (g_approx == 0), live & (g_ref == 0)  # (B, T)
+    n = m.sum().clamp(min=1)
+    return _floats({
+        "grad_abs_err": torch.where(m, (g_approx - g_ref).abs(), 0.0).sum() / n,
+        "grad_abs": torch.where(m, g_ref.abs(), 0.0).sum() / n,
+        "zeroed_fraction": zeroed.sum() / n,
+        "reference_zeroed_fraction": ref_zeroed.sum() / n,
+        "zeroed_shared_fraction": (zeroed & ref_zeroed).sum() / n,
+    })
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -230,16 +230,18 @@ class PolicyTrainer:
         prox, prox_metrics = objectives.proximal_logprobs(behavior, logp, token_versions, version, mask, kind,
                                                           recomputed)
         self._sums["time/prox_s"] += time.perf_counter() - t0
+        loss_kwargs = dict(clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip, is_cap=s.is_cap,
+                           is_mode=s.is_mode, is_level=s.is_level)
         extra: dict[str, float] = {}
         if s.prox_logp == "metrics":  # how far each approximation lands from the recomputed proximal policy
             for approx in ("loglinear", "linear"):
-                _, m = objectives.proximal_logprobs(behavior, logp, token_versions, version, mask, approx, recomputed)
-                extra.update({f"prox/{approx}/{k[5:]}": v for k, v in m.items() if k.startswith("prox/")
-                              and k != "prox/alpha_mean"})
-        per_token, metrics = objectives.decoupled_policy_loss(
-            logp, prox, behavior, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip,
-            is_cap=s.is_cap, is_mode=s.is_mode, is_level=s.is_level,
-        )
+                approx_prox, m = objectives.proximal_logprobs(behavior, logp, token_versions, version, mask, approx,
+                                                              recomputed)
+                m = {k[5:]: v for k, v in m.items() if k.startswith("prox/") and k != "prox/alpha_mean"}
+                m.update(objectives.trust_region_agreement(logp, approx_prox, prox, behavior, adv, mask,
+                                                           **loss_kwargs))
+                extra.update({f"prox/{approx}/{k}": v for k, v in m.items()})
+        per_token, metrics = objectives.decoupled_policy_loss(logp, prox, behavior, adv, mask, **loss_kwargs)
         metrics.update(extra)
         metrics["prox/alpha_mean"] = prox_metrics["prox/alpha_mean"]
         return per_token, metrics

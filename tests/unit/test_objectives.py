@@ -426,6 +426,44 @@ def test_recompute_uses_the_previous_version_only_two_or_more_versions_behind():
     close(m["prox/abs_err"], 0.044169, atol=1e-5)
 
 
+def test_trust_region_agreement_hand_values():
+    # pi_theta = .6, pi_b = .2 everywhere, clip .2 / .2, no IS cap: an unclipped token's gradient coefficient is
+    # d loss / d logp = -A w r = -A pi_theta / pi_b = -3 A, a clipped one's 0.
+    # token 0 (A = 1):  reference prox .45 -> r = 1.333 > 1.2 clipped (g 0); approximation .55 -> r 1.091 (g -3)
+    # token 1 (A = 1):  reference .55 (g -3); approximation .45 clipped (g 0)
+    # token 2 (A = -1): reference .9 -> r .667 < .8 clipped; approximation .8 -> r .75 clipped: zeroed by both
+    # token 3 (A = 0):  no gradient either way, not counted as zeroed
+    # grad_abs_err = (3 + 3 + 0 + 0) / 4 = 1.5; grad_abs = 3 / 4 = .75; zeroed: approx {1, 2}, reference {0, 2},
+    # shared {2}
+    logp, b = torch.full((1, 4), LN(0.6)), torch.full((1, 4), LN(0.2))
+    ref = torch.tensor([[LN(0.45), LN(0.55), LN(0.9), LN(0.5)]])
+    approx = torch.tensor([[LN(0.55), LN(0.45), LN(0.8), LN(0.5)]])
+    adv, mask = torch.tensor([[1.0, 1.0, -1.0, 0.0]]), torch.ones(1, 4)
+    m = obj.trust_region_agreement(logp, approx, ref, b, adv, mask, is_cap=None)
+    close(m["grad_abs_err"], 1.5, atol=1e-5)
+    close(m["grad_abs"], 0.75, atol=1e-5)
+    assert (m["zeroed_fraction"], m["reference_zeroed_fraction"], m["zeroed_shared_fraction"]) == (0.5, 0.5, 0.25)
+    # masked tokens count nowhere: masking token 0 leaves only token 1's error, over 3 tokens
+    m = obj.trust_region_agreement(logp, approx, ref, b, adv, torch.tensor([[0.0, 1.0, 1.0, 1.0]]), is_cap=None)
+    close(m["grad_abs_err"], 1.0, atol=1e-5)
+    close(m["reference_zeroed_fraction"], 1 / 3, atol=1e-6)
+
+
+def test_trust_region_agreement_without_a_trust_region_the_gradients_are_equal():
+    # no clip (ratio bounds never reached) and no cap: w r = pi_theta / pi_b whatever pi_prox, so any two proximal
+    # policies give the same gradient, and none zeroes a token
+    g = torch.Generator().manual_seed(0)
+    logp, b = -torch.rand(4, 6, generator=g), -torch.rand(4, 6, generator=g)
+    ref, approx = -torch.rand(4, 6, generator=g), -torch.rand(4, 6, generator=g)
+    adv = torch.randn(4, generator=g)
+    m = obj.trust_region_agreement(logp, approx, ref, b, adv, torch.ones(4, 6), clip_low=0.99, clip_high=100.0,
+                                   is_cap=None)
+    assert m["grad_abs_err"] < 1e-5 * m["grad_abs"] and m["grad_abs"] > 0.1
+    assert m["zeroed_fraction"] == m["reference_zeroed_fraction"] == 0.0
+    # with the default clip and cap they differ
+    assert obj.trust_region_agreement(logp, approx, ref, b, adv, torch.ones(4, 6))["grad_abs_err"] > 1e-2
+
+
 def test_proximal_masked_positions_return_behavior():
     b = torch.tensor([[-1.0, -2.0, -3.0]])
     cur = torch.tensor([[-0.5, -0.5, -0.5]])

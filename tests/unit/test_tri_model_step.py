@@ -197,6 +197,11 @@ def test_decoupled_forward_count_and_proximal_values(models, monkeypatch, prox):
     if prox == "metrics":  # both approximations' errors against the recomputed pass are logged, and not zero
         assert [s[0] for s in seen] == ["recompute", "loglinear", "linear"]
         assert figures["prox/loglinear/abs_err"] > 1e-3 and figures["prox/linear/abs_err"] > 1e-3
+        for approx in ("loglinear", "linear"):  # and how far the gradient of the loss moves with them
+            f = {k.split("/")[-1]: v for k, v in figures.items() if k.startswith(f"prox/{approx}/")}
+            assert f["grad_abs"] > 0 and f["grad_abs_err"] > 0
+            assert 0 <= f["zeroed_shared_fraction"] <= min(f["zeroed_fraction"], f["reference_zeroed_fraction"])
+        assert figures["prox/loglinear/reference_zeroed_fraction"] == figures["prox/linear/reference_zeroed_fraction"]
     else:
         assert not any(k.startswith(("prox/loglinear", "prox/linear")) for k in figures)
 
