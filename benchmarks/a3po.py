@@ -9,10 +9,13 @@ quartiles); beside them the in-flow figures (`*_in_flow`, the train task's busy 
 periodic samples/s on the same resources (the
 demo's: 1 rollout worker with 1 thread, 1 training thread). Then, per accuracy staleness bound, one line per
 method with `prox_logp` and `accuracy_mean`, the held-out accuracy after the same number of iterations averaged
-over the seeds, and a line with their gap.
+over the seeds, and a line with their gap. Then, per `--metrics-staleness` bound (none by default), one line from
+async runs in `metrics` mode (trained on recompute, the approximations logged against it): per approximation, its
+proximal log-prob error and how far it moves the loss's gradient and trust region (`approximation_errors`).
 
     .venv/bin/python -m benchmarks.a3po [--iterations 10] [--warmup 2] [--accuracy-iterations 120]
         [--accuracy-staleness 2 8] [--seeds 0 1 2] [--dir DIR] [--skip-timing]
+        [--metrics-staleness 2 8] [--metrics-iterations 60] [--metrics-skip 10]
 
 `--accuracy-staleness` takes several bounds (one accuracy line per method and bound; none: no accuracy runs);
 `--skip-timing` runs only the accuracy part (e.g. in a second process, since accuracy does not need a quiet
@@ -39,6 +42,10 @@ def main() -> None:
     ap.add_argument("--accuracy-staleness", type=int, nargs="*", default=[2, 8])
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--metrics-staleness", type=int, nargs="*", default=[])
+    ap.add_argument("--metrics-iterations", type=int, default=60)
+    ap.add_argument("--metrics-skip", type=int, default=10, help="first iterations left out of the metrics averages "
+                    "(staleness still rising)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one); reusing one reuses the "
                     "cached bootstrap of each seed")
     args = ap.parse_args()
@@ -63,6 +70,35 @@ def main() -> None:
                                                     for r in runs))
             gap = abs(accuracy["loglinear"] - accuracy["recompute"])
             emit(benchmark="a3po", max_staleness=S, accuracy_gap=gap, targets={"accuracy_gap<=0.02": gap <= 0.02})
+        for S in args.metrics_staleness:
+            emit(benchmark="a3po", prox_logp="metrics", max_staleness=S, iterations=args.metrics_iterations,
+                 iterations_averaged=args.metrics_iterations - args.metrics_skip, seeds=args.seeds,
+                 **approximation_errors([run(tmp, f"a3po-metrics-s{S}-{seed}-{stamp}",
+                                             {"pipeline.mode": "async", "run.seed": seed, "pipeline.max_staleness": S,
+                                              "algorithm.prox_logp": "metrics"}, args.metrics_iterations, full=True)
+                                         ["history"][args.metrics_skip:] for seed in args.seeds]))
+
+
+def approximation_errors(histories: list[list[dict]]) -> dict:
+    """Means over the iterations of metrics-mode runs of each approximation's figures against the recomputed
+    proximal policy: `abs_err` (mean |log pi_prox error| per token), `gap_ratio` (that error over the distance from
+    pi_b to pi_prox), `grad_rel_err` (mean |gradient coefficient error| over mean |gradient coefficient|), and of
+    the tokens with a nonzero advantage whose gradient the trust region zeroes: `zeroed` (fraction of tokens, the
+    approximation), `recall` (the share of the recomputed policy's zeroed tokens it zeroes too) and `precision`
+    (the share of its own zeroed tokens the recomputed policy zeroes too)."""
+    h = [x for history in histories for x in history]
+    mean = lambda key: statistics.mean(x[key] for x in h)  # noqa: E731
+    out = {"staleness_mean": mean("staleness/mean"), "clip_fraction": mean("clip/fraction"),
+           "reference_zeroed": mean("prox/loglinear/reference_zeroed_fraction")}
+    for approx in ("loglinear", "linear"):
+        p = f"prox/{approx}/"
+        shared = mean(p + "zeroed_shared_fraction")
+        out[approx] = {"abs_err": mean(p + "abs_err"), "gap_ratio": mean(p + "gap_ratio"),
+                       "grad_rel_err": mean(p + "grad_abs_err") / mean(p + "grad_abs"),
+                       "zeroed": mean(p + "zeroed_fraction"),
+                       "recall": shared / max(out["reference_zeroed"], 1e-12),
+                       "precision": shared / max(mean(p + "zeroed_fraction"), 1e-12)}
+    return out
 
 
 def timing(tmp: str, stamp: str, total: int, args) -> None:
