@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one); reusing one reuses the "
                     "cached bootstrap of each seed")
     args = ap.parse_args()
+    if args.metrics_staleness and not 0 <= args.metrics_skip < args.metrics_iterations:
+        ap.error(f"--metrics-skip {args.metrics_skip} must be in [0, --metrics-iterations {args.metrics_iterations})")
     total = args.iterations + args.warmup
     stamp = time.strftime("%Y%m%d%H%M%S")  # run ids stay unique in a reused directory
     with work_dir(args.dir) as tmp:
@@ -85,19 +87,20 @@ def approximation_errors(histories: list[list[dict]]) -> dict:
     pi_b to pi_prox), `grad_rel_err` (mean |gradient coefficient error| over mean |gradient coefficient|), and of
     the tokens with a nonzero advantage whose gradient the trust region zeroes: `zeroed` (fraction of tokens, the
     approximation), `recall` (the share of the recomputed policy's zeroed tokens it zeroes too) and `precision`
-    (the share of its own zeroed tokens the recomputed policy zeroes too)."""
+    (the share of its own zeroed tokens the recomputed policy zeroes too). `no_clip` is the baseline without a trust
+    region (pi_prox = pi_theta): its `grad_rel_err` is what an approximation's clip has to improve on."""
     h = [x for history in histories for x in history]
     mean = lambda key: statistics.mean(x[key] for x in h)  # noqa: E731
+    ratio = lambda a, b: a / b if b > 0 else None  # noqa: E731  (JSON null: undefined, e.g. no_clip precision)
     out = {"staleness_mean": mean("staleness/mean"), "clip_fraction": mean("clip/fraction"),
            "reference_zeroed": mean("prox/loglinear/reference_zeroed_fraction")}
-    for approx in ("loglinear", "linear"):
+    for approx in ("loglinear", "linear", "no_clip"):
         p = f"prox/{approx}/"
-        shared = mean(p + "zeroed_shared_fraction")
-        out[approx] = {"abs_err": mean(p + "abs_err"), "gap_ratio": mean(p + "gap_ratio"),
-                       "grad_rel_err": mean(p + "grad_abs_err") / mean(p + "grad_abs"),
-                       "zeroed": mean(p + "zeroed_fraction"),
-                       "recall": shared / max(out["reference_zeroed"], 1e-12),
-                       "precision": shared / max(mean(p + "zeroed_fraction"), 1e-12)}
+        shared, zeroed = mean(p + "zeroed_shared_fraction"), mean(p + "zeroed_fraction")
+        out[approx] = {"grad_rel_err": ratio(mean(p + "grad_abs_err"), mean(p + "grad_abs")), "zeroed": zeroed,
+                       "recall": ratio(shared, out["reference_zeroed"]), "precision": ratio(shared, zeroed)}
+        if approx != "no_clip":
+            out[approx] |= {"abs_err": mean(p + "abs_err"), "gap_ratio": mean(p + "gap_ratio")}
     return out
 
 

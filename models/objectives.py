@@ -660,8 +660,10 @@ def trust_region_agreement(
     The two proximal policies differ only through the loss: unclipped and uncapped, ``w * r = pi_theta / pi_b`` for
     any pi_prox, so the approximation matters where the trust region acts (clip, dual clip, IS cap or mask). Both
     losses are ``decoupled_policy_loss`` with ``loss_kwargs``; ``g_t = d loss_t / d logp_t`` is taken by autograd on
-    a detached copy of ``logp`` (the loss's own math, nothing re-derived). A token is *zeroed* when it has a nonzero
-    advantage and ``g_t == 0`` (its gradient cut by the clip or the IS mask).
+    a detached copy of ``logp`` (the loss's own math, nothing re-derived). ``g_t`` is the per-token coefficient
+    before ``loss_agg``'s weighting (under the seq-mean modes the parameter gradient weights it by 1/length). A token
+    is *zeroed* when it has a nonzero advantage and ``g_t == 0`` (its gradient cut by the clip, the IS mask or the
+    loss's ±20 clamp of the log-ratio). Autograd runs inside, so it cannot be called under ``torch.inference_mode``.
 
     logp, prox_logp, reference_prox_logp, behavior_logp, mask: (B, T); advantages: (B,) or (B, T). Returns per-token
     means over the mask (so that token-weighted averages over micro-batches stay exact): ``grad_abs_err``

@@ -241,6 +241,10 @@ class PolicyTrainer:
                 m.update(objectives.trust_region_agreement(logp, approx_prox, prox, behavior, adv, mask,
                                                            **loss_kwargs))
                 extra.update({f"prox/{approx}/{k}": v for k, v in m.items()})
+            # the baseline an approximation's trust region is measured against: none at all (pi_prox = pi_theta, so
+            # r = 1 and w = pi_theta / pi_b, capped or masked as configured)
+            m = objectives.trust_region_agreement(logp, logp.detach(), prox, behavior, adv, mask, **loss_kwargs)
+            extra.update({f"prox/no_clip/{k}": v for k, v in m.items() if k != "reference_zeroed_fraction"})
         per_token, metrics = objectives.decoupled_policy_loss(logp, prox, behavior, adv, mask, **loss_kwargs)
         metrics.update(extra)
         metrics["prox/alpha_mean"] = prox_metrics["prox/alpha_mean"]

@@ -431,22 +431,27 @@ def test_trust_region_agreement_hand_values():
     # d loss / d logp = -A w r = -A pi_theta / pi_b = -3 A, a clipped one's 0.
     # token 0 (A = 1):  reference prox .45 -> r = 1.333 > 1.2 clipped (g 0); approximation .55 -> r 1.091 (g -3)
     # token 1 (A = 1):  reference .55 (g -3); approximation .45 clipped (g 0)
-    # token 2 (A = -1): reference .9 -> r .667 < .8 clipped; approximation .8 -> r .75 clipped: zeroed by both
+    # token 2 (A = -1): reference .9 -> r .667 < .8 clipped (g 0); approximation .7 -> r .857 (g +3)
     # token 3 (A = 0):  no gradient either way, not counted as zeroed
-    # grad_abs_err = (3 + 3 + 0 + 0) / 4 = 1.5; grad_abs = 3 / 4 = .75; zeroed: approx {1, 2}, reference {0, 2},
-    # shared {2}
-    logp, b = torch.full((1, 4), LN(0.6)), torch.full((1, 4), LN(0.2))
-    ref = torch.tensor([[LN(0.45), LN(0.55), LN(0.9), LN(0.5)]])
-    approx = torch.tensor([[LN(0.55), LN(0.45), LN(0.8), LN(0.5)]])
-    adv, mask = torch.tensor([[1.0, 1.0, -1.0, 0.0]]), torch.ones(1, 4)
+    # token 4 (A = 1):  reference .45 -> r 1.333 clipped; approximation .4 -> r 1.5 clipped: zeroed by both
+    # grad_abs_err = (3 + 3 + 3 + 0 + 0) / 5 = 1.8; grad_abs = 3 / 5 = .6 (the reference's); zeroed: approximation
+    # {1, 4}, reference {0, 2, 4}, shared {4}. Not symmetric: swapping the two policies changes every figure but the
+    # error, so a swap inside the function fails here.
+    logp, b = torch.full((1, 5), LN(0.6)), torch.full((1, 5), LN(0.2))
+    ref = torch.tensor([[LN(0.45), LN(0.55), LN(0.9), LN(0.5), LN(0.45)]])
+    approx = torch.tensor([[LN(0.55), LN(0.45), LN(0.7), LN(0.5), LN(0.4)]])
+    adv, mask = torch.tensor([[1.0, 1.0, -1.0, 0.0, 1.0]]), torch.ones(1, 5)
     m = obj.trust_region_agreement(logp, approx, ref, b, adv, mask, is_cap=None)
+    close(m["grad_abs_err"], 1.8, atol=1e-5)
+    close(m["grad_abs"], 0.6, atol=1e-5)
+    close(m["zeroed_fraction"], 0.4, atol=1e-6)
+    close(m["reference_zeroed_fraction"], 0.6, atol=1e-6)
+    close(m["zeroed_shared_fraction"], 0.2, atol=1e-6)
+    # masked tokens count nowhere: masking token 0 leaves the errors of tokens 1 and 2, over 4 tokens
+    m = obj.trust_region_agreement(logp, approx, ref, b, adv, torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0]]), is_cap=None)
     close(m["grad_abs_err"], 1.5, atol=1e-5)
     close(m["grad_abs"], 0.75, atol=1e-5)
     assert (m["zeroed_fraction"], m["reference_zeroed_fraction"], m["zeroed_shared_fraction"]) == (0.5, 0.5, 0.25)
-    # masked tokens count nowhere: masking token 0 leaves only token 1's error, over 3 tokens
-    m = obj.trust_region_agreement(logp, approx, ref, b, adv, torch.tensor([[0.0, 1.0, 1.0, 1.0]]), is_cap=None)
-    close(m["grad_abs_err"], 1.0, atol=1e-5)
-    close(m["reference_zeroed_fraction"], 1 / 3, atol=1e-6)
 
 
 def test_trust_region_agreement_without_a_trust_region_the_gradients_are_equal():

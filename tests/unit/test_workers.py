@@ -45,7 +45,14 @@ def test_stop_right_after_serve_is_never_lost(tmp_path, tiny_hf):
     pool = WorkerPool(1, _spec(tmp_path, str(model_dir)), start_timeout_s=120, wait_ready=False)
     try:
         result: dict = {}
-        t = threading.Thread(target=lambda: result.update(pool.serve(0, 0, str(model_dir), 1, False)))
+
+        def serve() -> None:
+            try:
+                result.update(pool.serve(0, 0, str(model_dir), 1, False))
+            except BaseException as e:  # e.g. the pool's start timeout: reported below, not lost in the thread
+                result["error"] = e
+
+        t = threading.Thread(target=serve)
         t.start()
         pool.stop_serving()  # before the worker has even imported torch
         # starting (spawn, torch import, model load) took 5-16 s here under load; time it apart from the stop, so
@@ -56,6 +63,8 @@ def test_stop_right_after_serve_is_never_lost(tmp_path, tiny_hf):
         assert pool.ready[0] or not t.is_alive(), "the worker neither started nor failed within 150 s"
         t.join(timeout=30)
         assert not t.is_alive(), "the worker kept serving after stop_serving"
+        if "error" in result:
+            raise result["error"]
         assert result["shards"] == 0 and pool.ready == [True]
     finally:
         pool.close()
