@@ -73,12 +73,12 @@ def main() -> None:
             gap = abs(accuracy["loglinear"] - accuracy["recompute"])
             emit(benchmark="a3po", max_staleness=S, accuracy_gap=gap, targets={"accuracy_gap<=0.02": gap <= 0.02})
         for S in args.metrics_staleness:
+            overrides = {"pipeline.mode": "async", "pipeline.max_staleness": S, "algorithm.prox_logp": "metrics"}
+            histories = [run(tmp, f"a3po-metrics-s{S}-{seed}-{stamp}", {**overrides, "run.seed": seed},
+                             args.metrics_iterations, full=True)["history"][args.metrics_skip:] for seed in args.seeds]
             emit(benchmark="a3po", prox_logp="metrics", max_staleness=S, iterations=args.metrics_iterations,
                  iterations_averaged=args.metrics_iterations - args.metrics_skip, seeds=args.seeds,
-                 **approximation_errors([run(tmp, f"a3po-metrics-s{S}-{seed}-{stamp}",
-                                             {"pipeline.mode": "async", "run.seed": seed, "pipeline.max_staleness": S,
-                                              "algorithm.prox_logp": "metrics"}, args.metrics_iterations, full=True)
-                                         ["history"][args.metrics_skip:] for seed in args.seeds]))
+                 **approximation_errors(histories))
 
 
 def approximation_errors(histories: list[list[dict]]) -> dict:

@@ -202,11 +202,12 @@ def test_decoupled_forward_count_and_proximal_values(models, monkeypatch, prox):
             assert f["grad_abs"] > 0 and f["grad_abs_err"] > 0
             assert 0 <= f["zeroed_shared_fraction"] <= min(f["zeroed_fraction"], f["reference_zeroed_fraction"])
         assert figures["prox/loglinear/reference_zeroed_fraction"] == figures["prox/linear/reference_zeroed_fraction"]
-        # the no-trust-region baseline (uncapped here): it zeroes nothing, so it shares nothing, and its gradient
-        # differs from recompute's exactly where recompute's clip acts
+        # the no-trust-region baseline (uncapped here): it zeroes nothing, so it shares nothing; it is measured
+        # against the same recomputed gradient (grad_abs identical, same tensors and ops), from which it differs
+        # where recompute's clip acts
         f = {k.split("/")[-1]: v for k, v in figures.items() if k.startswith("prox/no_clip/")}
-        assert f["zeroed_fraction"] == f["zeroed_shared_fraction"] == 0.0 and f["grad_abs"] == pytest.approx(
-            figures["prox/loglinear/grad_abs"])
+        assert f["zeroed_fraction"] == f["zeroed_shared_fraction"] == 0.0
+        assert f["grad_abs"] == figures["prox/loglinear/grad_abs"]
         assert figures["prox/loglinear/reference_zeroed_fraction"] > 0 and f["grad_abs_err"] > 0  # 4.3%, 0.043 here
     else:
         assert not any(k.startswith(("prox/loglinear", "prox/linear", "prox/no_clip")) for k in figures)
