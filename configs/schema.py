@@ -7,15 +7,39 @@ A bad config fails at load, before any work, with the file, the field's dotted p
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
+from types import NoneType
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+
+def _flat_types(annotation: Any) -> set:
+    """The types an annotation admits, unions and Optional flattened (`float | None` -> {float, NoneType})."""
+    args = typing.get_args(annotation)
+    if not args or typing.get_origin(annotation) in (Literal, list, dict, tuple):
+        return {typing.get_origin(annotation) or annotation}
+    return set().union(*(_flat_types(a) for a in args))
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan: an infinite lr, clip or KL coefficient is never meant (NaN fails the bounds anyway)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers_and_empty_sections(cls, value: Any, info: ValidationInfo) -> Any:
+        types = _flat_types(cls.model_fields[info.field_name].annotation)
+        # pydantic reads true as 1 for int and float fields: `-o trainer.lr=true` would train at lr 1.0
+        if isinstance(value, bool) and bool not in types and types & {int, float}:
+            raise ValueError("Input should be a number, not a boolean")
+        # a section whose every field is commented out reads as null in YAML: it means the defaults
+        if value is None and NoneType not in types and any(isinstance(t, type) and issubclass(t, _Section)
+                                                           for t in types):
+            return {}
+        return value
 
 
 class RunSection(_Section):
@@ -23,7 +47,8 @@ class RunSection(_Section):
                       description="Experiment name: the MLflow experiment and the prefix of generated run ids.")
     run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
                                description="Run id; default `{name}-{UTC timestamp}`. Letters, digits, . _ - only.")
-    seed: int = Field(0, ge=0, description="Run seed: model init, shots, and every sample's seed derive from it.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Run seed: model init, shots, and every sample's seed "
+                      "derive from it (at most 2**32 - 1: numpy's seed range, which vLLM seeds).")
     iterations: int = Field(40, ge=1, le=100_000, description="RL iterations (optimizer steps) to run.")
 
 
@@ -47,25 +72,41 @@ class TinyModelSection(_Section):
     def _heads(self):
         if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
             raise ValueError("num_kv_heads must divide num_heads, and num_heads must divide hidden_size")
+        head_dim = self.hidden_size // self.num_heads
+        if head_dim % 2:  # rotary embeddings rotate pairs of dimensions
+            raise ValueError(f"head_dim = hidden_size / num_heads = {self.hidden_size} / {self.num_heads} = "
+                             f"{head_dim} must be even (rotary embeddings); change hidden_size or num_heads")
         return self
 
 
 class ModelSection(_Section):
-    path: str | None = Field(None, description="A local Hugging Face directory or hub id loaded with from_pretrained; "
-                                               "null builds the tiny model below with a character tokenizer.")
+    path: str | None = Field(None, min_length=1, description="A local Hugging Face directory or hub id loaded with "
+                             "from_pretrained; null builds the tiny model below with a character tokenizer.")
     tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="The locally built model.")
 
 
 class DatasetSection(_Section):
     uri: str = Field(..., min_length=1, description="JSONL or Parquet at any fsspec URL, or a Hugging Face dataset id.")
     format: Literal["auto", "jsonl", "parquet", "hf"] = Field("auto", description="auto: by file extension.")
-    split: str = Field("train", description="Split, for Hugging Face datasets.")
+    split: str = Field("train", min_length=1, description="Split, for Hugging Face datasets.")
     eval_uri: str | None = Field(None, description="Held-out prompts; default: task.n_eval rows held out of `uri`.")
-    eval_split: str = Field("test", description="Split of eval_uri, for Hugging Face datasets.")
-    question_field: str = Field("question", description="Field holding the question.")
-    answer_field: str = Field("answer", description="Field holding the answer (GSM8K `... #### n` accepted).")
+    eval_split: str = Field("test", min_length=1, description="Split of eval_uri, for Hugging Face datasets.")
+    question_field: str = Field("question", min_length=1, description="Field holding the question.")
+    answer_field: str = Field("answer", min_length=1,
+                              description="Field holding the answer (GSM8K `... #### n` accepted).")
     template: str = Field("Question: {question}\nAnswer: ", description="Prompt text; `{question}` is replaced.")
     max_rows: int | None = Field(None, ge=1, description="Read at most this many usable rows.")
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, template: str) -> str:
+        try:
+            ok = template.format(question="\0") != template.format(question="")
+        except (KeyError, IndexError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError("must contain {question}; write literal braces as {{ }}")
+        return template
 
 
 class TaskSection(_Section):
@@ -199,7 +240,7 @@ class EvalSection(_Section):
 
 class TrackingSection(_Section):
     uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (SQLite file by default).")
-    experiment: str | None = Field(None, description="MLflow experiment; default: run.name.")
+    experiment: str | None = Field(None, min_length=1, description="MLflow experiment; default: run.name.")
     enabled: bool = Field(True, description="Log to MLflow.")
     prefect_artifacts: bool = Field(True, description="A Prefect markdown artifact per iteration (reward, worst samples).")
 
@@ -231,6 +272,18 @@ class Config(_Section):
                              "weights never change during generation); set it to false or use mode: async")
         if self.task.kind == "dataset" and self.task.dataset is None:
             raise ValueError("task.kind 'dataset' needs a task.dataset section with at least `uri`")
+        t = self.task
+        if t.kind == "arithmetic":  # the split of models/arithmetic.build_splits, known before any work
+            n_problems = len(t.ops) * (t.max_operand + 1) ** 2
+            if t.n_eval >= n_problems:
+                raise ValueError(f"task.n_eval={t.n_eval} leaves no training problems out of {n_problems} "
+                                 f"({len(t.ops)} ops x (max_operand {t.max_operand} + 1)^2): lower n_eval or raise "
+                                 "max_operand")
+            n_train = (n_problems - t.n_eval) * t.shot_sets  # tasks/session.iteration_prompt_ids refuses more
+            if self.rollout.prompts_per_iteration > n_train:
+                raise ValueError(f"rollout.prompts_per_iteration={self.rollout.prompts_per_iteration} exceeds the "
+                                 f"{n_train} training prompts ({n_problems} problems - task.n_eval {t.n_eval}, x "
+                                 f"task.shot_sets {t.shot_sets}): lower it, or raise task.max_operand or shot_sets")
         if self.task.shot_sets > 1 and (self.task.kind != "arithmetic" or self.task.n_shots == 0):
             raise ValueError(f"task.shot_sets={self.task.shot_sets} draws other shots for each synthetic arithmetic "
                              f"prompt: it needs task.kind 'arithmetic' and task.n_shots > 0 (here "
@@ -257,17 +310,51 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file, the field and the reason."""
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(f"key {key!r} appears twice (lines {first_line} and {line}): keep one")
+
+
+class _Loader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(key, line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _merge(into: dict, update: dict) -> None:
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
 def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
     keys = dotted.split(".")
     if not all(keys):
         raise ConfigError(f"override {source!r}: empty key in {dotted!r}")
     node = tree
     for k in keys[:-1]:
-        child = node.setdefault(k, {})
+        if node.get(k) is None:  # absent, or a section left empty in the file (null): the defaults
+            node[k] = {}
+        child = node[k]
         if not isinstance(child, dict):
             raise ConfigError(f"override {source!r}: {k!r} is not a section")
         node = child
-    node[keys[-1]] = value
+    if isinstance(value, dict) and isinstance(node.get(keys[-1]), dict):  # `-o "trainer={lr: 1e-5}"` keeps the rest
+        _merge(node[keys[-1]], value)
+    else:
+        node[keys[-1]] = value
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -278,7 +365,9 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. -o trainer.lr=1e-5")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.load(raw, Loader=_Loader) if raw != "" else ""
+        except _DuplicateKey as e:
+            raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
         # YAML 1.1 reads '1e-5' as a string; accept the float a user means
@@ -296,7 +385,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
-        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
+        # a cross-field error's input is the whole config: the message names the fields instead
+        got = "" if e["type"] == "missing" or not e["loc"] else f" (got {e.get('input')!r})"
         lines.append(f"  {loc}: {msg}{got}")
     return "\n".join(lines)
 
@@ -307,10 +397,20 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: Any = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {source} is a directory, not a file (give a YAML file, e.g. "
+                              "configs/arith-tiny.yaml)")
         if not p.is_file():
             raise ConfigError(f"config file {source} does not exist (give a YAML file, e.g. configs/arith-tiny.yaml)")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.load(p.read_text(encoding="utf-8"), Loader=_Loader) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {source} is not UTF-8 text (byte {e.start}: {e.reason}); save it as "
+                              "UTF-8 YAML") from None
+        except OSError as e:
+            raise ConfigError(f"config file {source} cannot be read: {e.strerror or e}") from None
+        except _DuplicateKey as e:
+            raise ConfigError(f"config file {source}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {source} is not valid YAML: {e}") from None
         if not isinstance(data, dict):

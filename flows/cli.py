@@ -86,15 +86,20 @@ class _Progress:
 
 def _run_flow(console, config_path: str, overrides: list[str], resume: bool) -> int:
     from configs.schema import ConfigError, load_config
+    from tasks.preflight import check_inputs
 
     try:
         cfg = load_config(config_path, overrides)  # fail fast, before Prefect or any work starts
+        if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
+            check_inputs(cfg)  # the model and dataset it names exist and read
     except ConfigError as e:
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
     from prefect.exceptions import TerminationSignal
 
     import flows.train as train_mod
+    from models.tiny import ModelDirError
+    from storage.datasets import DatasetError
     from tasks.session import RunExistsError
 
     progress = _Progress(console)
@@ -102,7 +107,8 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool) -> 
     t0 = time.perf_counter()
     try:
         summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
-    except (RunExistsError, FileNotFoundError) as e:
+    except (RunExistsError, FileNotFoundError, ConfigError, DatasetError, ModelDirError) as e:
+        # input errors the flow finds only as it reads them: a dataset's rows, the run to resume
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
     except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C, or SIGTERM (see _interrupt_on_sigterm): the flow has
@@ -157,11 +163,36 @@ def cmd_resume(args) -> int:
         os.unlink(f.name)
 
 
+def _run_config_path(lake_uri: str, run_id: str) -> str:
+    """The frozen config of a run, which every run in a lake has from its start; FileNotFoundError if absent."""
+    from storage.lake import Lake
+
+    lake = Lake(lake_uri)
+    path = f"{lake.run_dir(run_id)}/config.json"  # run_dir validates the id (ValueError)
+    if not lake.fs.exists(path):
+        raise FileNotFoundError(f"run {run_id} does not exist in lake {lake_uri} ({path} is missing); "
+                                f"`lockstep runs --lake {lake_uri}` lists its runs")
+    return path
+
+
 def cmd_replay(args) -> int:
     """Retrain from stored shards only and print, per version, the max abs parameter difference."""
+    from storage.lake import validate_run_id
+
+    try:
+        _run_config_path(args.lake, args.run_id)
+        if args.to is not None:
+            validate_run_id(args.to)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: cannot replay {args.run_id!r}: {e}", file=sys.stderr)
+        return 2
     from flows.replay import replay_flow
 
-    rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
+    try:
+        rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: cannot replay {args.run_id!r}: {e}", file=sys.stderr)
+        return 2
     for r in rows:
         print(f"v{r['version']:>6}  max_abs_diff {r['max_abs_diff']:.3e}")
     worst = max((r["max_abs_diff"] for r in rows), default=0.0)
@@ -179,6 +210,11 @@ def cmd_audit(args) -> int:
     from storage import catalog
     from storage.lake import Lake
 
+    try:
+        _run_config_path(args.lake, args.run_id)  # before LanceDB, which would create the catalog folder
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     lake = Lake(args.lake)
     uri = catalog.catalog_uri(lake, args.run_id)
     if uri is None:
@@ -279,16 +315,31 @@ def cmd_report(args) -> int:
 
 def cmd_serve(args) -> int:
     """Publish `train_flow` as a deployment on the Prefect server and run what the UI triggers or schedules."""
+    from configs.schema import ConfigError, load_config
+    from tasks.preflight import check_inputs
+
+    try:  # the deployment's default parameters: a bad config would fail every triggered run
+        check_inputs(load_config(args.config, args.override))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not os.environ.get("PREFECT_API_URL"):
         print("error: lockstep serve needs a Prefect server: run `make services`, then "
               "export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
         return 2
+    import httpx
+
     from flows.train import train_flow
 
     config = os.path.abspath(args.config)
     print(f"serving deployment lockstep-train/{args.name} with {config}; trigger runs from the Prefect UI", flush=True)
-    train_flow.serve(name=args.name, parameters={"config_path": config, "overrides": args.override},
-                     cron=args.cron, print_starting_message=False)
+    try:
+        train_flow.serve(name=args.name, parameters={"config_path": config, "overrides": args.override},
+                         cron=args.cron, print_starting_message=False)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+        print(f"error: the Prefect API at PREFECT_API_URL={os.environ['PREFECT_API_URL']} is unreachable ({e}); "
+              "start it with `make services`, or fix PREFECT_API_URL", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -45,6 +45,9 @@ def replay_flow(run_id: str, lake_uri: str = "./lake", to_run_id: str | None = N
     from models.tiny import load_hf
 
     lake = Lake(lake_uri)
+    if to_run_id is not None and (to_run_id == run_id or lake.fs.exists(lake.run_dir(to_run_id))):
+        raise FileExistsError(f"replay target run {to_run_id} already exists in {lake_uri}: replay writes a new run "
+                              "and never overwrites one; choose another --to")
     cfg = Config.model_validate(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
     torch.set_num_threads(cfg.resources.train_threads)
     v0 = lake.checkpoint_dir(run_id, 0)

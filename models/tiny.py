@@ -6,10 +6,12 @@ same `from_pretrained` path as any local directory or hub id.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
@@ -111,8 +113,67 @@ def single_token_id(tokenizer, text: str) -> int:
     return ids[0]
 
 
+class ModelDirError(ValueError):
+    """A local model directory that `from_pretrained` cannot use; the message names the directory and what is
+    missing."""
+
+
+def _check_model_files(path: Path) -> dict:
+    """config.json (valid JSON with `model_type`), weights and tokenizer files present; returns the config."""
+    if not path.is_dir():
+        raise ModelDirError(f"{path} is not a directory: give a Hugging Face model directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelDirError(f"{path} has no config.json: not a Hugging Face model directory (save_pretrained writes "
+                            "config.json, the weights and, with the tokenizer's save_pretrained, its files)")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelDirError(f"{config_file} is not valid JSON ({e}); re-save the model with save_pretrained") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelDirError(f"{config_file} has no `model_type`: transformers cannot tell the architecture; re-save "
+                            "the model with save_pretrained")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        raise ModelDirError(f"{path} has no weights (*.safetensors or pytorch_model*.bin); save the model with "
+                            "save_pretrained")
+    for weights in path.glob("*.safetensors"):
+        try:
+            with safe_open(str(weights), framework="pt"):  # reads the header only
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ModelDirError(f"{weights} is not a readable safetensors file ({e}); save the model again") from None
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise ModelDirError(f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json): save the model's "
+                            "tokenizer there with tokenizer.save_pretrained")
+    return config
+
+
+def _check_vocab(path: Path, config: dict, tokenizer) -> None:
+    vocab_size = config.get("vocab_size")  # absent at the top level of some multimodal configs: nothing to compare
+    if isinstance(vocab_size, int) and len(tokenizer) > vocab_size:
+        raise ModelDirError(f"{path}: tokenizer has {len(tokenizer)} tokens but config.json vocab_size={vocab_size}: "
+                            "ids past the embedding table would fail in the first forward pass; use the tokenizer "
+                            "the model was trained with, or resize the embeddings and save again")
+
+
+def check_model_dir(path: str | Path) -> None:
+    """Cheap pre-flight check of a local Hugging Face directory, without loading weights: config.json valid with
+    `model_type`, weights and tokenizer files present, and a tokenizer (loaded) no larger than the embedding."""
+    path = Path(path)
+    config = _check_model_files(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ModelDirError(f"{path}: the tokenizer does not load ({e})") from None
+    _check_vocab(path, config, tokenizer)
+
+
 def load_hf(path: str | Path, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
-    """Load (model, tokenizer) from a local Hugging Face directory or hub id via `from_pretrained`."""
+    """Load (model, tokenizer) from a local Hugging Face directory or hub id via `from_pretrained`; a local
+    directory is checked first (`check_model_dir`'s errors, not a transformers traceback)."""
+    config = _check_model_files(Path(path)) if Path(path).is_dir() else None
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if config is not None:
+        _check_vocab(Path(path), config, tokenizer)
     return model.eval(), tokenizer

@@ -10,7 +10,9 @@ the source, the row and the reason (`on_bad_row="fail"`).
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,12 +51,58 @@ def gsm8k_final_answer(answer: str) -> str:
     return tail.strip().replace(",", "")
 
 
+def resolve_format(uri: str, fmt: Format) -> Format:
+    """The format of `auto` by file extension: .parquet, .jsonl / .json, or none (a Hugging Face dataset id)."""
+    if fmt != "auto":
+        return fmt
+    if uri.endswith(".parquet"):
+        return "parquet"
+    if uri.endswith((".jsonl", ".json")):
+        return "jsonl"
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    ext = name.rsplit(".", 1)[-1] if "." in name else ""
+    # a hub id ("openai/gsm8k") is neither a URL nor a path, and a dotted part of it is rarely all letters
+    is_file = "://" in uri or uri.startswith(("/", ".", "~")) or os.path.exists(uri) or ext.isalpha()
+    if not is_file:
+        return "hf"
+    what = f"file extension .{ext}" if ext else "a file without extension"
+    raise DatasetError(f"{uri}: {what} is not supported with format auto: give a JSONL (.jsonl, .json) or Parquet "
+                       "(.parquet) file or a Hugging Face dataset id, or set task.dataset.format to jsonl, parquet "
+                       "or hf")
+
+
+@contextmanager
+def _open(uri: str, fmt: str):
+    """fsspec.open, with the errors of a path or URL that cannot be read said as such."""
+    try:
+        with fsspec.open(uri, "rb") as f:
+            yield f
+    except FileNotFoundError:
+        raise DatasetError(f"{uri} (format {fmt}): no such file; check task.dataset.uri / eval_uri") from None
+    except ImportError as e:  # fsspec: "Install s3fs to access S3"
+        raise DatasetError(f"{uri} (format {fmt}): its protocol needs a package that is not installed ({e}); "
+                           "install it, or copy the file to a local path") from None
+    except ValueError as e:
+        if "Protocol not known" not in str(e):
+            raise
+        raise DatasetError(f"{uri} (format {fmt}): {e}; give a local path or a URL fsspec knows (file://, s3://, "
+                           "gs://, memory://...)") from None
+    except OSError as e:
+        raise DatasetError(f"{uri} (format {fmt}): cannot be read: {e}") from None
+
+
+def _require_datasets(uri: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is None:
+        raise DatasetError(f"{uri}: Hugging Face datasets need the `datasets` package: pip install datasets")
+
+
 def _rows(uri: str, fmt: Format, split: str):
     """(row number, dict or an exception describing why the row is unreadable)."""
-    if fmt == "auto":
-        fmt = "parquet" if uri.endswith(".parquet") else "jsonl" if uri.endswith((".jsonl", ".json")) else "hf"
+    fmt = resolve_format(uri, fmt)
     if fmt == "jsonl":
-        with fsspec.open(uri, "rb") as f:
+        with _open(uri, fmt) as f:
             for i, raw in enumerate(f):
                 if not raw.strip():
                     continue
@@ -65,21 +113,46 @@ def _rows(uri: str, fmt: Format, split: str):
                 except json.JSONDecodeError as e:
                     yield i, DatasetError(f"not JSON ({e.msg})")
     elif fmt == "parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        with fsspec.open(uri, "rb") as f:
-            table = pq.read_table(f)
-        yield from enumerate(table.to_pylist())
+        with _open(uri, fmt) as f:
+            try:
+                batches = pq.ParquetFile(f).iter_batches(batch_size=1024)  # row groups as read: not the whole file
+            except pa.ArrowInvalid as e:
+                raise DatasetError(f"{uri} (format parquet) is not a Parquet file ({e}); set task.dataset.format to "
+                                   "the file's format (jsonl, parquet or hf)") from None
+            i = 0
+            for batch in batches:
+                for row in batch.to_pylist():
+                    yield i, row
+                    i += 1
     elif fmt == "hf":
-        import importlib.util
-
-        if importlib.util.find_spec("datasets") is None:
-            raise DatasetError(f"{uri}: Hugging Face datasets need the `datasets` package: pip install datasets")
+        _require_datasets(uri)
         import datasets
 
         yield from enumerate(datasets.load_dataset(uri, split=split))
     else:
         raise DatasetError(f"unknown dataset format {fmt!r}: use auto, jsonl, parquet or hf")
+
+
+def check_readable(uri: str, fmt: Format = "auto", split: str = "train") -> None:
+    """Open the source and read its first row, without loading the rest: a pre-flight check before any work.
+
+    A Hugging Face id is checked for the `datasets` package only: loading its first row may mean a download."""
+    if resolve_format(uri, fmt) == "hf":
+        _require_datasets(uri)
+        return
+    rows = _rows(uri, fmt, split)
+    try:
+        next(rows, None)  # an empty file or bad rows are load_prompts' to count and report
+    except DatasetError:
+        raise
+    except Exception as e:  # each fsspec backend has its own network errors (httpx, aiohttp, botocore...)
+        raise DatasetError(f"{uri} (format {resolve_format(uri, fmt)}): cannot be read ({type(e).__name__}: {e}); "
+                           "check the URL and the network, or copy the file to a local path") from None
+    finally:
+        rows.close()
 
 
 def load_prompts(

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from flows.cli import main as cli
 from flows.replay import replay_flow
 from flows.train import train_flow
-from storage import catalog
+from storage import catalog, checkpoints
 from storage.lake import Lake
 from tests.integration.runs import all_samples, final_params, write_config
 
@@ -22,6 +24,10 @@ def test_replay_and_audit(tmp_path, capsys):
     # the replayed run's checkpoints exist and match too; replay moved the weights away from v0
     again, orig = final_params(lake_uri, "again", 2), final_params(lake_uri, "orig", 2)
     assert max(float((again[k] - orig[k]).abs().max()) for k in orig) <= 1e-5
+    for target in ("again", "orig"):  # never over an existing run (it rewrote "again" back to v0 before)
+        with pytest.raises(FileExistsError, match=f"replay target run {target} already exists"):
+            replay_flow(run_id="orig", lake_uri=lake_uri, to_run_id=target)
+    assert checkpoints.promoted_version(Lake(lake_uri), "again") == 2
     v0 = final_params(lake_uri, "orig", 0)
     assert max(float((orig[k] - v0[k]).abs().max()) for k in orig) > 1e-4
 

@@ -219,7 +219,7 @@ def test_missing_file(tmp_path):
 
 def test_directory_is_not_a_config(tmp_path):
     msg = load_error(tmp_path)
-    assert f"config file {tmp_path} does not exist" in msg
+    assert f"config file {tmp_path} is a directory, not a file (give a YAML file" in msg
 
 
 def test_invalid_yaml(tmp_path):
@@ -315,6 +315,147 @@ def test_validate_assignment_guards_later_edits():
     assert cfg.trainer.lr == 1e-4
 
 
+def test_file_that_is_not_utf8(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))  # é is byte 0xe9 in Latin-1, invalid UTF-8 here
+    msg = load_error(p)
+    assert f"config file {p} is not UTF-8 text (byte 16: invalid continuation byte); save it as UTF-8 YAML" in msg
+
+
+def test_duplicate_key_names_the_key_and_lines(tmp_path):
+    # PyYAML alone keeps the last value: name would silently be 'b'
+    p = write(tmp_path, "run:\n  name: a\n  name: b\n")
+    assert load_error(p) == f"config file {p}: key 'name' appears twice (lines 2 and 3): keep one"
+    p = write(tmp_path, "run:\n  name: x\ntrainer: {lr: 0.1}\nrun:\n  iterations: 3\n", "dup-section.yaml")
+    assert load_error(p) == f"config file {p}: key 'run' appears twice (lines 1 and 4): keep one"
+    assert "key 'lr' appears twice" in load_error(None, ["trainer={lr: 1, lr: 2}"])
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    p = write(tmp_path, "base: &b {lr: 0.5, weight_decay: 0.1}\n", "ok.yaml")
+    import yaml
+
+    from configs.schema import _Loader
+
+    assert yaml.load(p.read_text() + "t: {<<: *b, lr: 0.25}\n", Loader=_Loader)["t"] == {"lr": 0.25,
+                                                                                       "weight_decay": 0.1}
+
+
+def test_cross_field_error_does_not_print_the_whole_config(tmp_path):
+    p = write(tmp_path, "task:\n  kind: dataset\n")
+    msg = load_error(p)
+    assert msg == (f"invalid config {p}:\n"
+                   "  (top level): task.kind 'dataset' needs a task.dataset section with at least `uri`")
+
+
+def test_template_must_contain_question(tmp_path):
+    base = "task:\n  kind: dataset\n  dataset:\n    uri: x.jsonl\n    template: "
+    for template in ['"hello"', '"{foo}"', '"{0}"', '"Q: {question} {x}"', '"Q: {question"']:
+        msg = load_error(write(tmp_path, base + template + "\n"))
+        expected = "task.dataset.template: must contain {question}; write literal braces as {{ }}"
+        assert f"{expected} (got {template[1:-1]!r})" in msg
+    # literal braces doubled are fine and stay single in the prompt
+    cfg = load_config(write(tmp_path, base + '"{{json}} {question}"\n', "ok.yaml"))
+    assert cfg.task.dataset.template.format(question="2+2") == "{json} 2+2"
+
+
+def test_tiny_head_dim_must_be_even():
+    # 12 / 4 = 3: rotary embeddings rotate pairs of dimensions
+    msg = load_error(None, ["model.tiny.hidden_size=12", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2"])
+    assert "model.tiny: head_dim = hidden_size / num_heads = 12 / 4 = 3 must be even (rotary embeddings)" in msg
+    assert load_config(None, ["model.tiny.hidden_size=16", "model.tiny.num_heads=4"]).model.tiny.hidden_size == 16
+
+
+@pytest.mark.parametrize("override,field", [("trainer.lr=true", "trainer.lr"),
+                                            ("run.iterations=true", "run.iterations"),
+                                            ("trainer.grad_clip=false", "trainer.grad_clip"),
+                                            ("task.max_operand=yes", "task.max_operand")])
+def test_boolean_is_not_a_number(override, field):
+    # pydantic alone reads true as 1: trainer.lr=true trained at lr 1.0
+    msg = load_error(None, [override])
+    assert f"{field}: Input should be a number, not a boolean (got " in msg
+
+
+def test_booleans_still_set_boolean_fields():
+    cfg = load_config(None, ["train.shared_prompt=false", "tracking.enabled=no"])
+    assert cfg.train.shared_prompt is False and cfg.tracking.enabled is False
+
+
+@pytest.mark.parametrize("override", ["trainer.grad_clip=.inf", "algorithm.kl_coef=.inf", "algorithm.is_cap=inf",
+                                      "trainer.lr=.nan", "algorithm.dual_clip=nan"])
+def test_infinity_and_nan_are_refused(override):
+    field = override.split("=")[0]
+    assert f"{field}: Input should be a finite number" in load_error(None, [override])
+
+
+@pytest.mark.parametrize("field", ["model.path", "tracking.experiment", "task.dataset.question_field",
+                                   "task.dataset.answer_field", "task.dataset.split", "task.dataset.eval_split"])
+def test_empty_strings_are_refused(field):
+    msg = load_error(None, ["task.dataset.uri=x.jsonl", f"{field}="])
+    assert f"{field}: String should have at least 1 character (got '')" in msg
+
+
+def test_seed_upper_bound_is_what_the_rngs_take():
+    import numpy as np
+    import torch
+
+    top = load_config(None, [f"run.seed={2**32 - 1}"]).run.seed
+    torch.manual_seed(top)  # the model init and SFT seed
+    np.random.seed(top)  # vLLM seeds numpy with it; random.Random takes any int
+    assert f"run.seed: Input should be less than or equal to 4294967295 (got {2**32})" in load_error(
+        None, [f"run.seed={2**32}"])
+    with pytest.raises(ValueError):  # the negative control: one more is what numpy refuses
+        np.random.seed(2**32)
+
+
+def test_empty_sections_mean_defaults(tmp_path):
+    # every field of trainer and model.tiny commented out: YAML reads the sections as null
+    text = "run:\n  iterations: 3\ntrainer:\n#  lr: 1.0e-5\nmodel:\n  tiny:\ntask:\n  dataset:\n"
+    p = write(tmp_path, text, "ok.yaml")
+    cfg = load_config(p)
+    assert cfg.run.iterations == 3 and cfg.trainer == Config().trainer and cfg.model == Config().model
+    assert cfg.task.dataset is None  # an optional section stays absent
+
+
+def test_override_into_an_empty_section(tmp_path):
+    p = write(tmp_path, "trainer:\ntask:\n  kind: dataset\n  dataset:\n", "ok.yaml")
+    cfg = load_config(p, ["trainer.lr=1e-5", "task.dataset.uri=x.jsonl"])
+    assert cfg.trainer.lr == 1e-5 and cfg.task.dataset.uri == "x.jsonl"
+
+
+def test_mapping_override_merges_into_the_section(tmp_path):
+    p = write(tmp_path, "trainer: {lr: 0.5, weight_decay: 0.1}\nmodel:\n  tiny: {hidden_size: 64, num_layers: 2}\n",
+              "ok.yaml")
+    cfg = load_config(p, ["trainer={lr: 1e-5}", "model={tiny: {num_layers: 3}}"])
+    assert (cfg.trainer.lr, cfg.trainer.weight_decay) == (1e-5, 0.1)
+    assert (cfg.model.tiny.hidden_size, cfg.model.tiny.num_layers) == (64, 3)
+    # a scalar still replaces: the section is refused as before
+    assert "trainer: Input should be a valid dictionary" in load_error(p, ["trainer=5"])
+
+
+def test_arithmetic_sizes_are_checked_at_load():
+    """The same counts the run makes: models/arithmetic.build_splits and tasks/session.iteration_prompt_ids."""
+    from models import arithmetic
+    from tasks.session import iteration_prompt_ids
+
+    small = ["task.max_operand=1", "task.shot_sets=2"]  # 1 op x (1 + 1)^2 = 4 problems
+    msg = load_error(None, [*small, "task.n_eval=4"])
+    assert "(top level): task.n_eval=4 leaves no training problems out of 4" in msg
+    with pytest.raises(ValueError, match="n_eval=4 leaves no training problems out of 4"):
+        arithmetic.build_splits(1, ("+",), 4, 1234)  # the run-time check it mirrors
+    # n_eval 1: 3 training problems x 2 shot sets = 6 training prompts
+    cfg = load_config(None, [*small, "task.n_eval=1", "rollout.prompts_per_iteration=6"])
+    train, _ = arithmetic.build_splits(1, ("+",), 1, cfg.task.split_seed)
+    n_train = len(arithmetic.make_train_prompts(train, cfg.task.n_shots, cfg.task.split_seed, 2))
+    assert n_train == 6 and sorted(iteration_prompt_ids(cfg, n_train, 0)) == list(range(6))
+    msg = load_error(None, [*small, "task.n_eval=1", "rollout.prompts_per_iteration=7"])
+    assert ("(top level): rollout.prompts_per_iteration=7 exceeds the 6 training prompts (4 problems - task.n_eval 1, "
+            "x task.shot_sets 2)") in msg
+    cfg.rollout.prompts_per_iteration = 7  # a section alone does not see the task: the run would refuse it late
+    with pytest.raises(ValueError, match="prompts_per_iteration=7 exceeds the 6 training prompts"):
+        iteration_prompt_ids(cfg, n_train, 0)
+
+
 # ------------------------------------------------------------------------------------------------ the CLI
 
 
@@ -408,3 +549,11 @@ def test_attention_kernel_choice():
     assert attention_kernel("eager", torch.device("cpu")) == "eager"
     with pytest.raises(ValueError, match="no backward pass on cpu"):
         attention_kernel("flex_attention", torch.device("cpu"))
+
+
+def test_cli_duplicate_key_and_bool_exit_2(tmp_path, capsys):
+    p = write(tmp_path, "rollout:\n  group_size: 4\n  group_size: 8\n")
+    assert cli.main(["train", str(p)]) == 2
+    assert "key 'group_size' appears twice (lines 2 and 3): keep one" in cli_stderr(capsys)
+    assert cli.main(["train", str(REPO / "configs" / "arith-tiny.yaml"), "-o", "trainer.lr=true"]) == 2
+    assert "trainer.lr: Input should be a number, not a boolean (got True)" in cli_stderr(capsys)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from models.verifier import math_reward
-from storage.datasets import DatasetError, gsm8k_final_answer, load_prompts
+from storage.datasets import DatasetError, check_readable, gsm8k_final_answer, load_prompts, resolve_format
 
 GOOD = [
     {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"},
@@ -94,3 +94,81 @@ def test_no_usable_rows_is_an_error(tmp_path):
 )
 def test_math_verifier(response, answer, expected):
     assert math_reward(response, answer) == expected
+
+
+# ------------------------------------------------------------------------------------------------ unreadable sources
+
+
+def test_unknown_extension_is_not_taken_for_a_hub_id(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("question,answer\nq,1\n")
+    # before: format auto fell through to "hf" and asked for the `datasets` package
+    for check in (load_prompts, check_readable):
+        with pytest.raises(DatasetError) as e:
+            check(str(path))
+        assert str(e.value) == (f"{path}: file extension .csv is not supported with format auto: give a JSONL "
+                                "(.jsonl, .json) or Parquet (.parquet) file or a Hugging Face dataset id, or set "
+                                "task.dataset.format to jsonl, parquet or hf")
+    assert resolve_format("openai/gsm8k", "auto") == "hf"
+    assert resolve_format("s3://bucket/train.jsonl", "auto") == "jsonl"
+    assert resolve_format(str(path), "jsonl") == "jsonl"  # an explicit format is the user's call
+
+
+def test_jsonl_read_as_parquet(tmp_path):
+    path = _jsonl(str(tmp_path / "d.jsonl"), [json.dumps(r).encode() for r in GOOD])
+    with pytest.raises(DatasetError, match=r"d\.jsonl \(format parquet\) is not a Parquet file \(Parquet magic bytes "
+                                           r"not found.*\); set task\.dataset\.format to the file's format"):
+        load_prompts(path, fmt="parquet")
+
+
+def test_missing_file(tmp_path):
+    path = str(tmp_path / "nope.jsonl")
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert str(e.value) == f"{path} (format jsonl): no such file; check task.dataset.uri / eval_uri"
+
+
+def test_protocol_without_its_package():
+    import importlib.util
+
+    if importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed here")
+    with pytest.raises(DatasetError) as e:
+        load_prompts("s3://bucket/train.jsonl")
+    assert str(e.value) == ("s3://bucket/train.jsonl (format jsonl): its protocol needs a package that is not "
+                            "installed (Install s3fs to access S3); install it, or copy the file to a local path")
+
+
+def test_check_readable_reads_the_first_row_only(tmp_path):
+    # the first row reads; what follows is load_prompts' to skip and count
+    path = _jsonl(str(tmp_path / "d.jsonl"), [json.dumps(GOOD[0]).encode(), b"\xff\xfe not json"])
+    check_readable(path)
+    with pytest.raises(DatasetError, match="no such file"):
+        check_readable(str(tmp_path / "other.jsonl"))
+
+
+def test_parquet_is_read_in_batches_with_row_ids_across_them(tmp_path):
+    path = str(tmp_path / "d.parquet")
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(2500)]
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=1000)  # 3 row groups, 3 batches of 1024 rows
+    records, report = load_prompts(path)
+    assert [r.prompt_id for r in records] == list(range(2500)) and records[2499].text == "q2499"
+    assert report.rows == report.kept == 2500
+    records, _ = load_prompts(path, limit=5)
+    assert [r.answer for r in records] == ["0", "1", "2", "3", "4"]
+
+
+def test_check_readable_turns_a_backend_network_error_into_a_dataset_error():
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Unreachable(MemoryFileSystem):  # a remote backend whose host does not answer
+        protocol = "unreachable"
+
+        def _open(self, path, mode="rb", **kwargs):
+            raise RuntimeError("Name or service not known")
+
+    fsspec.register_implementation("unreachable", Unreachable, clobber=True)
+    with pytest.raises(DatasetError) as e:
+        check_readable("unreachable://host/train.jsonl")
+    assert str(e.value) == ("unreachable://host/train.jsonl (format jsonl): cannot be read (RuntimeError: Name or "
+                            "service not known); check the URL and the network, or copy the file to a local path")

@@ -1,0 +1,189 @@
+"""tasks/preflight.py and models.tiny.check_model_dir: a model or dataset the run could not use fails before any
+work, with the field, the value and what to do; `lockstep train` turns that into exit 2 without a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from configs.schema import ConfigError, load_config
+from flows import cli
+from models.tiny import ModelDirError, build_char_tokenizer, build_tiny_model, check_model_dir, load_hf, save_hf
+from tasks.preflight import InputError, check_inputs
+from tests.cli_output import cli_stderr, squash
+
+REPO = Path(__file__).resolve().parents[2]
+ARITH = str(REPO / "configs" / "arith-tiny.yaml")
+TINY = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A complete tiny Hugging Face directory, made by the project's own builders (tests copy it to break it)."""
+    tok = build_char_tokenizer()
+    return save_hf(build_tiny_model(len(tok), **TINY), tok, tmp_path_factory.mktemp("models") / "good")
+
+
+def broken(model_dir: Path, tmp_path: Path, drop: tuple[str, ...] = ()) -> Path:
+    out = tmp_path / "model"
+    shutil.copytree(model_dir, out)
+    for name in drop:
+        (out / name).unlink()
+    return out
+
+
+def model_error(path) -> str:
+    with pytest.raises(ModelDirError) as e:
+        check_model_dir(path)
+    return str(e.value)
+
+
+def input_error(cfg) -> str:
+    with pytest.raises(InputError) as e:
+        check_inputs(cfg)
+    assert isinstance(e.value, ConfigError)  # the CLI's exit-2 path
+    return str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------ model directories
+
+
+def test_good_model_dir_passes(model_dir):
+    check_model_dir(model_dir)
+    check_inputs(load_config(ARITH, [f"model.path={model_dir}"]))
+
+
+def test_missing_config(model_dir, tmp_path):
+    d = broken(model_dir, tmp_path, ("config.json",))
+    assert model_error(d).startswith(f"{d} has no config.json: not a Hugging Face model directory")
+
+
+def test_config_not_json_or_without_model_type(model_dir, tmp_path):
+    d = broken(model_dir, tmp_path)
+    (d / "config.json").write_text("{not json")
+    assert model_error(d).startswith(f"{d}/config.json is not valid JSON (Expecting property name")
+    (d / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    assert model_error(d).startswith(f"{d}/config.json has no `model_type`")
+
+
+def test_missing_or_unreadable_weights(model_dir, tmp_path):
+    d = broken(model_dir, tmp_path, ("model.safetensors",))
+    assert model_error(d) == (f"{d} has no weights (*.safetensors or pytorch_model*.bin); save the model with "
+                              "save_pretrained")
+    (d / "model.safetensors").write_bytes(b"garbage")
+    assert model_error(d).startswith(f"{d}/model.safetensors is not a readable safetensors file (")
+
+
+def test_missing_tokenizer(model_dir, tmp_path):
+    # without these, AutoTokenizer built a tokenizer from config.json alone that encodes "\n" as nothing: the run
+    # failed at its first evaluation
+    d = broken(model_dir, tmp_path, ("tokenizer.json", "tokenizer_config.json"))
+    assert model_error(d).startswith(f"{d} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+
+
+def test_tokenizer_larger_than_the_embedding(tmp_path):
+    tok = build_char_tokenizer()  # 4 specials + 49 characters = 53 tokens
+    big = build_char_tokenizer("0123456789+-*=?:. \nQAabcdefghijklmnopqrstuvwxyzBCDEFGHIJKLMNOPRSTUVWXYZ,#")
+    d = save_hf(build_tiny_model(len(tok), **TINY), big, tmp_path / "mismatch")
+    expected = f"{d}: tokenizer has {len(big)} tokens but config.json vocab_size={len(tok)}"
+    assert (len(tok), len(big)) == (53, 77)
+    assert model_error(d).startswith(expected)
+    # every load path gets it, not an IndexError in the first forward pass
+    with pytest.raises(ModelDirError, match=expected):
+        load_hf(d)
+
+
+# ------------------------------------------------------------------------------------------------ model.path
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/model", "./models/none", "~/model", "a/b/c"])
+def test_path_like_model_that_is_not_a_directory(path):
+    msg = input_error(load_config(ARITH, [f"model.path={path}"]))
+    assert msg.startswith(f"model.path {path!r} is not a directory")
+    assert msg.endswith("give a local Hugging Face model directory (config.json, weights, tokenizer) or a hub id "
+                        "such as Qwen/Qwen2.5-0.5B")
+
+
+def test_a_file_is_not_a_model_directory(model_dir):
+    path = str(model_dir / "config.json")
+    assert input_error(load_config(ARITH, [f"model.path={path}"])).startswith(f"model.path {path!r} is not a directory")
+
+
+def test_broken_model_dir_names_the_field(model_dir, tmp_path):
+    d = broken(model_dir, tmp_path, ("model.safetensors",))
+    assert input_error(load_config(ARITH, [f"model.path={d}"])).startswith(f"model.path: {d} has no weights")
+
+
+def test_hub_id_offline_must_be_cached(monkeypatch, tmp_path, model_dir):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    msg = input_error(load_config(ARITH, ["model.path=Org/not-cached"]))
+    assert msg.startswith("model.path 'Org/not-cached' is not a local directory, and as a hub id it is not in the "
+                          f"Hugging Face cache ({tmp_path / 'hub'}) while HF_HUB_OFFLINE=1 forbids downloading")
+    assert input_error(load_config(ARITH, ["model.path=not a valid id!!"])).startswith(
+        "model.path 'not a valid id!!' is neither a local directory nor a hub id")
+    # the cache layout from_pretrained reads: models--Org--tiny/refs/main names the snapshot
+    repo = tmp_path / "hub" / "models--Org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    shutil.copytree(model_dir, repo / "snapshots" / "abc123")
+    check_inputs(load_config(ARITH, ["model.path=Org/tiny"]))
+    (repo / "snapshots" / "abc123" / "tokenizer.json").unlink()
+    (repo / "snapshots" / "abc123" / "tokenizer_config.json").unlink()
+    assert "model.path 'Org/tiny' (Hugging Face cache): " in input_error(load_config(ARITH, ["model.path=Org/tiny"]))
+    # online, an uncached id is from_pretrained's to download
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    check_inputs(load_config(ARITH, ["model.path=Org/not-cached"]))
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+
+
+def dataset_config(tmp_path, uri: str, *extra: str):
+    return load_config(None, ["task.kind=dataset", f"task.dataset.uri={uri}", f"lake.uri={tmp_path / 'lake'}", *extra])
+
+
+def test_dataset_csv_and_missing_eval_file(tmp_path):
+    good = tmp_path / "train.jsonl"
+    good.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    check_inputs(dataset_config(tmp_path, str(good)))
+    (tmp_path / "d.csv").write_text("question,answer\n")
+    msg = input_error(dataset_config(tmp_path, str(tmp_path / "d.csv")))
+    assert msg.startswith(f"task.dataset.uri: {tmp_path / 'd.csv'}: file extension .csv is not supported")
+    msg = input_error(dataset_config(tmp_path, str(good), f"task.dataset.eval_uri={tmp_path / 'eval.jsonl'}"))
+    assert msg == f"task.dataset.eval_uri: {tmp_path / 'eval.jsonl'} (format jsonl): no such file; check " \
+                  "task.dataset.uri / eval_uri"
+    msg = input_error(dataset_config(tmp_path, str(good), "task.dataset.format=parquet"))
+    assert msg.startswith(f"task.dataset.uri: {good} (format parquet) is not a Parquet file")
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+def test_cli_train_bad_model_path_exits_2_before_any_work(tmp_path, capsys):
+    lake = tmp_path / "lake"
+    assert cli.main(["train", ARITH, "-o", "model.path=/nonexistent/model", "-o", f"lake.uri={lake}"]) == 2
+    assert squash("error: model.path '/nonexistent/model' is not a directory") in cli_stderr(capsys)
+    assert not lake.exists()
+
+
+def test_cli_train_vocab_mismatch_exits_2(tmp_path, capsys):
+    tok = build_char_tokenizer("0123456789")
+    d = save_hf(build_tiny_model(len(tok), **TINY), build_char_tokenizer(), tmp_path / "mismatch")
+    assert cli.main(["train", ARITH, "-o", f"model.path={d}", "-o", f"lake.uri={tmp_path / 'lake'}"]) == 2
+    assert squash(f"error: model.path: {d}: tokenizer has 53 tokens but config.json vocab_size=14") in cli_stderr(
+        capsys)
+
+
+def test_cli_train_csv_dataset_exits_2(tmp_path, capsys):
+    (tmp_path / "d.csv").write_text("question,answer\n")
+    assert cli.main(["train", ARITH, "-o", "task.kind=dataset", "-o", "task.shot_sets=1",
+                     "-o", f"task.dataset.uri={tmp_path / 'd.csv'}", "-o", f"lake.uri={tmp_path / 'lake'}"]) == 2
+    err = cli_stderr(capsys)
+    assert squash(f"error: task.dataset.uri: {tmp_path / 'd.csv'}: file extension .csv is not supported") in err
+    assert "datasets`package" not in err
