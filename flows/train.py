@@ -233,11 +233,15 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         status = "KILLED"  # stopped, not failed
         raise
     finally:
-        for f in audit:  # a failure or a stop cut the run short: let the audit beside it end before the session does
-            f.wait()
-        s.tracker.finish(status)
-        s.close()
-        unregister(s.run_id)
+        try:
+            for f in audit:  # a failure or a stop cut the run short: let the audit beside it end before the session
+                f.wait()
+            s.tracker.finish(status)
+        finally:  # the workers, the background checkpoint and the shared weights end even if MLflow cannot
+            try:
+                s.close()
+            finally:
+                unregister(s.run_id)
 
 
 def _async_rollout_figures(s: RunSession, k: int) -> list[dict]:
@@ -256,6 +260,11 @@ def _async_rollout_figures(s: RunSession, k: int) -> list[dict]:
 
 
 def _fail_iteration(s: RunSession, k: int, error: BaseException) -> None:
+    """Mark iteration k failed, unless it already produced its version: then a later step (evaluation, tracking)
+    failed, and the checkpoint written in the background (`pipeline.push_weights`) still promotes it and records it
+    promoted; marked failed, that record could never become promoted, and resume would skip the iteration's audit."""
+    if s.version > k:
+        return
     rec = ledger.read_record(s.lake, s.run_id, k)
     if rec is not None and rec["state"] not in ("promoted", "failed"):
         ledger.write_record(s.lake, s.run_id, k, "failed", reason=f"{type(error).__name__}: {error}"[:2000])

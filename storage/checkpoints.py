@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,11 +175,15 @@ def save_checkpoint(
 
 def verify_checkpoint(lake: Lake, path: str) -> None:
     """Check every file of a checkpoint against its manifest; raises CheckpointError naming what is wrong."""
-    fs = lake.fs
+    _verify_files(lake.fs, path)
+
+
+def _verify_files(fs, path: str) -> None:
     manifest_path = f"{path}/MANIFEST.json"
     if not fs.exists(manifest_path):
         raise CheckpointError(f"checkpoint {path} has no MANIFEST.json (incomplete write)")
-    manifest = read_json(lake, manifest_path)
+    with fs.open(manifest_path, "rb") as f:
+        manifest = json.loads(f.read())
     for rel, digest in manifest.items():
         try:
             with fs.open(f"{path}/{rel}", "rb") as f:
@@ -256,12 +261,35 @@ def prune_optimizer_state(lake: Lake, run_id: str, version: int) -> bool:
 
 
 def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
-    """A local directory with the checkpoint (the path itself on a local lake), for `from_pretrained`."""
+    """A local directory with the checkpoint (the path itself on a local lake), for `from_pretrained`.
+
+    The copy is named by the checkpoint's URL and manifest, so a re-created run or another lake never reuses it,
+    and is downloaded into a private folder, checked against the manifest and only then renamed into place: a
+    download cut short (a killed process) or two processes copying at once never leave a partial copy to be
+    loaded."""
     if lake.is_local:
         return path
-    dest = os.path.join(cache_dir, hashlib.sha1(path.encode()).hexdigest()[:16])
-    if not os.path.exists(os.path.join(dest, "MANIFEST.json")):
-        lake.fs.get(path, dest, recursive=True)
+    try:
+        manifest = lake.fs.cat_file(f"{path}/MANIFEST.json")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {lake.url(path)} has no MANIFEST.json (incomplete write)") from None
+    key = hashlib.sha256(lake.url(path).encode() + b"\0" + manifest).hexdigest()[:16]
+    dest = os.path.join(cache_dir, f"lockstep-ckpt-{key}")
+    if os.path.isdir(dest):  # only complete, checked copies are ever renamed to this name
+        return dest
+    part = f"{dest}.part-{os.getpid()}-{time.time_ns()}"
+    try:
+        lake.fs.get(path, part, recursive=True)
+        from fsspec.implementations.local import LocalFileSystem
+
+        _verify_files(LocalFileSystem(), part)
+        try:
+            os.rename(part, dest)
+        except OSError:
+            if not os.path.isdir(dest):  # not another process's copy landing first
+                raise
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
     return dest
 
 

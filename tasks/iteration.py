@@ -404,8 +404,10 @@ def catalog_iteration(run_id: str, iteration: int, version: int) -> int:
         t = t.replace_schema_metadata(None)
         t = t.append_column("sample_id", pa.array(ids)).append_column("advantage", pa.array(adv.tolist()))
         tables.append(t.append_column("shard", pa.array([sh["path"]] * t.num_rows)))
+        # the version that generated the shard (its chunk started on it; async: older than the trainer's)
+        generated = t.column("policy_version")[0].as_py()
         shard_rows.append({"path": sh["path"], "checksum": sh["checksum"], "groups": sh["groups"],
-                           "rows": t.num_rows, "iteration": iteration, "policy_version": version - 1})
+                           "rows": t.num_rows, "iteration": iteration, "policy_version": generated})
     catalog.write_iteration(uri, pa.concat_tables(tables), pa.Table.from_pylist(shard_rows), version,
                             compact_every=s.cfg.pipeline.catalog_compact_every)
     ledger.annotate(s.lake, run_id, iteration, cataloged=True)

@@ -6,6 +6,7 @@ built from the config once (config objects stop at this layer: models/ and stora
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -28,6 +29,7 @@ from models.trainer import LossSettings, PolicyTrainer
 from storage import checkpoints
 from storage.lake import Lake, atomic_write_bytes, validate_run_id
 from storage.tracking import Tracker
+from tasks.preflight import check_inputs
 from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
 
 
@@ -338,6 +340,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
     elif resume:
         raise FileNotFoundError(f"no run {run_id} in {cfg.lake.uri} to resume ({config_path} is missing)")
     else:
+        check_inputs(cfg)  # a model or dataset that cannot be read fails here, before the run exists
         atomic_write_bytes(lake, run_id, config_path, resolved_json(cfg).encode())
 
     torch.set_num_threads(os.cpu_count() or 1)  # no rollout worker runs yet: the bootstrap may use every core
@@ -370,18 +373,24 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
               "max_model_len": cfg.rollout.vllm_max_model_len},
         prompts=[(p.prompt_id, p.text, p.answer, i) for p, i in zip(train_prompts, train_ids)],
     )
-    pool = WorkerPool(cfg.resources.rollout_workers, spec, wait_ready=False)  # starts while MLflow and v0's eval do
-    if cfg.tracking.enabled:
-        tracker = Tracker.start(cfg.tracking.uri, cfg.tracking.experiment or cfg.run.name, run_id,
-                                tags={"lockstep.mode": cfg.pipeline.mode})
-        tracker.log_params(flatten(cfg))
-    else:
-        tracker = Tracker.disabled()
-    session = RunSession(run_id, cfg, lake, tokenizer, trainer, pool, tracker, train_prompts, train_ids,
-                         eval_prompts, eval_ids, version, device)
-    if pushes_weights(cfg):
-        session.weights = SharedWeights.create(trainer.model)
-        session.weights.write(trainer.model)  # the version the run starts from
+    with contextlib.ExitStack() as undo:  # a failure from here (MLflow unreachable, no shared memory) must not leave
+        # the workers, an MLflow run marked running or a shared-memory file behind
+        pool = WorkerPool(cfg.resources.rollout_workers, spec, wait_ready=False)  # starts while MLflow and v0's eval do
+        undo.callback(pool.close)
+        if cfg.tracking.enabled:
+            tracker = Tracker.start(cfg.tracking.uri, cfg.tracking.experiment or cfg.run.name, run_id,
+                                    tags={"lockstep.mode": cfg.pipeline.mode})
+            undo.callback(tracker.finish, "FAILED")
+            tracker.log_params(flatten(cfg))
+        else:
+            tracker = Tracker.disabled()
+        session = RunSession(run_id, cfg, lake, tokenizer, trainer, pool, tracker, train_prompts, train_ids,
+                             eval_prompts, eval_ids, version, device)
+        if pushes_weights(cfg):
+            session.weights = SharedWeights.create(trainer.model)
+            undo.callback(session.weights.unlink)
+            session.weights.write(trainer.model)  # the version the run starts from
+        undo.pop_all()  # opened: from here the flow's `finally` closes the session
     register(session)
     return session
 

@@ -162,15 +162,21 @@ class Chunk:
     prompt_ids: tuple[int, ...]  # the plan's prompt ids; group ids are f"{iteration}-{prompt_id}"
 
 
-def _get(q, parent: int):
-    """Block on a queue, but end the worker if its parent (the flow's process) has died: a SIGKILLed parent
-    cannot stop its children, and an orphaned worker must not linger."""
-    while True:
-        try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                os._exit(0)
+def _orphaned(parent: int) -> bool:
+    """Whether the flow's process that spawned this worker has died (a SIGKILLed parent cannot stop its children)."""
+    return os.getppid() != parent
+
+
+def _exit_with_parent(parent: int, period_s: float = 0.2) -> None:
+    """End this worker within `period_s` of its parent's death, whatever it is doing: an orphan that went on
+    generating would publish shards that a resumed run could train on beside its own copies of the same groups."""
+
+    def watch() -> None:
+        while not _orphaned(parent):
+            time.sleep(period_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="lockstep-parent-watch", daemon=True).start()
 
 
 class _Worker:
@@ -261,6 +267,8 @@ class _Worker:
         t1 = time.perf_counter()
         path = (f"{self.lake.iteration_rollouts(spec.run_id, started_version, chunk.iteration)}/"
                 f"shard-{self.id}-{chunk.index:05d}.arrow")
+        if _orphaned(self.parent):  # the watch thread's period is a window: never publish for a dead run
+            os._exit(0)
         checksum = write_shard(self.lake, spec.run_id, path, records, compression=spec.compression)
         t2 = time.perf_counter()
         return {"path": path, "checksum": checksum, "groups": len(groups), "worker": self.id, "iteration":
@@ -274,7 +282,7 @@ class _Worker:
         busy = storage_s = 0.0
         shards = []
         while True:
-            chunk = _get(work, self.parent)
+            chunk = work.get()
             if chunk == _STOP:
                 break
             if chunk.version != self.version:
@@ -290,13 +298,9 @@ class _Worker:
         With `block`, wait for at least one command."""
         while True:
             try:
-                cmd = self.commands.get(timeout=1.0) if block else self.commands.get_nowait()
+                cmd = self.commands.get() if block else self.commands.get_nowait()
             except queue.Empty:
-                if not block:
-                    return
-                if os.getppid() != self.parent:
-                    os._exit(0)
-                continue
+                return
             if cmd[0] == "version":
                 if self.pending is None or cmd[1] > self.pending[0]:
                     self.pending = (cmd[1], cmd[2])
@@ -333,8 +337,6 @@ class _Worker:
             try:
                 chunk = work.get(timeout=0.05)
             except queue.Empty:
-                if os.getppid() != self.parent:
-                    os._exit(0)
                 continue
             if chunk == _STOP:
                 continue
@@ -355,6 +357,7 @@ class _Worker:
 
 def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, parent: int) -> None:  # in the child
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _exit_with_parent(parent)
     try:
         w = _Worker(worker_id, spec, commands, parent)
         results.put(("ready", worker_id))
@@ -362,7 +365,7 @@ def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, pare
         results.put(("error", traceback.format_exc()))
         return
     while True:
-        cmd = _get(commands, parent)
+        cmd = commands.get()
         try:
             if cmd[0] == "exit":
                 return

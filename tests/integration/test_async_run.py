@@ -61,6 +61,12 @@ def test_async_catalog_respects_staleness_and_records_interruptions(tmp_path, mo
     for r in multi:  # versions only move forward inside a sample, and the sample's version is the one that started it
         assert r["token_versions"] == sorted(r["token_versions"])
         assert r["policy_version"] == r["token_versions"][0]
+    # the shards table names the version that generated each shard, as its samples and its lake folder do
+    shards = catalog.query(catalog.catalog_uri(lake, "async2"), catalog.SHARDS).to_pylist()
+    sample_versions = {(r["shard"], r["policy_version"]) for r in rows}
+    assert {(sh["path"], sh["policy_version"]) for sh in shards} == sample_versions
+    assert all(f"policy_version={sh['policy_version']}/" in sh["path"] for sh in shards)
+    assert any(sh["policy_version"] < sh["iteration"] for sh in shards)  # stale shards: not the trainer's version
     # figures: staleness, importance weights and the approximation errors of metrics mode
     for k, fig in enumerate(out["history"]):
         assert 0.0 <= fig["staleness/mean"] <= fig["staleness/max"] <= 2.0

@@ -80,3 +80,74 @@ def test_prefect_retry_of_the_flow_resumes_the_run(tmp_path, monkeypatch):
     assert [r["state"] for r in ledger.read_all(lake, "retry")] == ["promoted"] * 3
     history = [h["state"] for h in ledger.read_record(lake, "retry", 1)["history"]]
     assert history[:3] == ["planned", "rolling_out", "failed"] and history[-1] == "promoted"
+
+
+def test_failure_after_promotion_keeps_the_iteration_promoted(tmp_path, monkeypatch):
+    """An error after an iteration produced its version (evaluation, tracking) fails the run, but the version written
+    in the background is promoted and its ledger record says so: resume continues after it, replay and the catalog
+    see it."""
+    import collections
+
+    import flows.train
+    from flows.replay import replay_flow
+    from storage import catalog
+
+    real = flows.train.evaluate_task
+    calls = {"n": 0}
+
+    def flaky(run_id):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the evaluation of v1, after iteration 0's promotion (call 1 evaluates v0)
+            raise RuntimeError("evaluation failed")
+        return real(run_id)
+
+    monkeypatch.setattr(flows.train, "evaluate_task", flaky)
+    config = write_config(tmp_path, "late", {"run.iterations": 3})
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train_flow(config_path=config)
+    lake = Lake(str(tmp_path / "lake"))
+    assert checkpoints.promoted_version(lake, "late") == 1
+    assert ledger.read_record(lake, "late", 0)["state"] == "promoted"  # was `failed`, which can never be promoted
+    summary = train_flow(config_path=config, resume=True)
+    assert summary["promoted_version"] == 3
+    assert [r["state"] for r in ledger.read_all(lake, "late")] == ["promoted"] * 3
+    assert len(replay_flow(run_id="late", lake_uri=str(tmp_path / "lake"))) == 3
+    rows = catalog.query(catalog.catalog_uri(lake, "late"), catalog.ROLLOUTS, columns=["iteration"]).to_pylist()
+    assert collections.Counter(r["iteration"] for r in rows) == {0: 32, 1: 32, 2: 32}
+
+
+def test_session_resources_end_when_tracking_fails(tmp_path, monkeypatch):
+    """MLflow failing at the start of a run, or when the run is marked finished, must not leave the rollout workers
+    or the shared-memory weights behind."""
+    import glob
+    import multiprocessing
+    import os
+
+    from storage.tracking import Tracker
+    from tasks import session
+
+    def live_workers():
+        return [p for p in multiprocessing.active_children() if p.name.startswith("lockstep-rollout")]
+
+    mine = f"/dev/shm/lockstep-weights-{os.getpid()}-*"  # this process's: other test workers run runs of their own
+    before = set(glob.glob(mine))
+    real_finish = Tracker.finish
+
+    def failing_finish(self, status):
+        real_finish(self, status)
+        raise ConnectionError("tracking server went away")
+
+    monkeypatch.setattr(Tracker, "finish", failing_finish)
+    with pytest.raises(ConnectionError, match="went away"):
+        train_flow(config_path=write_config(tmp_path, "finish", {"run.iterations": 1}))
+    assert live_workers() == [] and "finish" not in session.SESSIONS
+    assert set(glob.glob(mine)) == before
+
+    def failing_start(*args, **kwargs):
+        raise ConnectionError("tracking server unreachable")
+
+    monkeypatch.setattr(Tracker, "start", failing_start)
+    with pytest.raises(ConnectionError, match="unreachable"):
+        train_flow(config_path=write_config(tmp_path, "start", {"run.iterations": 1}))
+    assert live_workers() == [] and "start" not in session.SESSIONS
+    assert set(glob.glob(mine)) == before

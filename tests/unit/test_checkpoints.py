@@ -409,3 +409,64 @@ def test_restore_trainer_loads_the_proximal_policy_one_version_back(tiny_hf, lak
     prox_state = trainer.prox_model.state_dict()
     assert all(torch.equal(prox_state[k], t) for k, t in v1.items())
     assert not torch.equal(prox_state["model.embed_tokens.weight"], fresh.state_dict()["model.embed_tokens.weight"])
+
+
+# ------------------------------------------------------------------------------------------------ local copies
+
+
+def test_local_copy_of_a_remote_lake_is_never_partial(tiny_hf, tmp_path, monkeypatch):
+    """A download cut short (a killed process, a reset connection) leaves nothing that a later call would load; the
+    next call downloads again and gets a complete, checked copy; a changed checkpoint gets a copy of its own."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from storage.checkpoints import local_copy
+
+    lake = Lake(f"memory://local-copy-{tmp_path.name}")
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    real_get_file = MemoryFileSystem.get_file
+
+    def cut_at_weights(self, rpath, lpath, *args, **kwargs):
+        if rpath.endswith("model.safetensors"):
+            raise ConnectionResetError("cut mid-download")
+        return real_get_file(self, rpath, lpath, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "get_file", cut_at_weights)
+    with pytest.raises(ConnectionResetError):
+        local_copy(lake, path, str(cache))
+    assert os.listdir(cache) == []  # not a MANIFEST.json-only folder that the next call would take as complete
+    monkeypatch.setattr(MemoryFileSystem, "get_file", real_get_file)
+    copy = local_copy(lake, path, str(cache))
+    assert os.listdir(cache) == [os.path.basename(copy)]
+    manifest = json.loads(Path(copy, "MANIFEST.json").read_text())
+    assert sorted(str(p.relative_to(copy)) for p in Path(copy).rglob("*") if p.is_file()) == sorted(
+        [*manifest, "MANIFEST.json"])
+    assert local_copy(lake, path, str(cache)) == copy  # reused
+
+    train_steps(tiny_hf.model)  # the same run id and version saved again with other weights
+    save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    fresh = local_copy(lake, path, str(cache))
+    assert fresh != copy
+    assert load_weights(lake, path)["model.embed_tokens.weight"].equal(
+        load_weights(Lake(str(tmp_path)), fresh)["model.embed_tokens.weight"])
+
+
+def test_local_copy_refuses_a_download_that_does_not_match_the_manifest(tiny_hf, tmp_path, monkeypatch):
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from storage.checkpoints import local_copy
+
+    lake = Lake(f"memory://local-copy-bad-{tmp_path.name}")
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    real_get_file = MemoryFileSystem.get_file
+
+    def corrupt_config(self, rpath, lpath, *args, **kwargs):
+        real_get_file(self, rpath, lpath, *args, **kwargs)
+        if rpath.endswith("/config.json"):
+            Path(lpath).write_text("{}")
+
+    monkeypatch.setattr(MemoryFileSystem, "get_file", corrupt_config)
+    with pytest.raises(CheckpointError, match="config.json does not match its manifest"):
+        local_copy(lake, path, str(tmp_path))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("lockstep-ckpt-")]

@@ -124,3 +124,62 @@ def test_orphaned_shared_weights_are_removed(tmp_path):
         f.write_bytes(b"\0" * 64)
     assert remove_orphaned_weights(str(tmp_path)) == [str(orphan)]
     assert not orphan.exists() and live.exists() and other.exists()
+
+
+_ORPHAN_PARENT = """
+import sys, threading, time
+from transformers import AutoTokenizer
+from tasks.workers import Chunk, WorkerPool, WorkerSpec
+model_dir, lake = sys.argv[1], sys.argv[2]
+tok = AutoTokenizer.from_pretrained(model_dir)
+prompts = [(i, f"{i}+1=", str(i + 1), tok(f"{i}+1=", add_special_tokens=False)["input_ids"]) for i in range(8)]
+spec = WorkerSpec(lake_uri=lake, run_id="orphan", model_dir=model_dir, threads=1, run_seed=0, group_size=2,
+                  max_new_tokens=8, temperature=1.0, top_p=1.0, partial_credit=0.0, compression=None,
+                  reward_kind="arithmetic", prompts=prompts)
+pool = WorkerPool(1, spec, start_timeout_s=120)
+pool.enqueue([Chunk(0, 0, i, (i % 8,)) for i in range(2000)])  # far more than it can generate before the kill
+print(pool.procs[0].pid, flush=True)
+threading.Thread(target=pool.run, args=(0, 0, model_dir), daemon=True).start()
+time.sleep(600)
+"""
+
+
+def test_worker_ends_when_its_parent_is_killed_mid_generation(tmp_path, tiny_hf):
+    """A SIGKILLed flow process cannot stop its workers: each must notice and end while it still has queued chunks,
+    or it would go on publishing shards that a resumed run could train beside its own copies of the same groups."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from models.tiny import save_hf
+
+    model_dir = save_hf(tiny_hf.model, tiny_hf.tokenizer, tmp_path / "v0")
+    lake = tmp_path / "lake"
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, str(model_dir), str(lake)],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        worker = int(parent.stdout.readline())
+        deadline = time.monotonic() + 120
+        while len(list(lake.rglob("*.arrow"))) < 3 and time.monotonic() < deadline:  # generating
+            time.sleep(0.05)
+        assert len(list(lake.rglob("*.arrow"))) >= 3, "the worker published nothing within 120 s"
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker), "the orphaned worker kept running"
+    published = len(list(lake.rglob("*.arrow")))
+    assert published < 2000
+    time.sleep(1.0)
+    assert len(list(lake.rglob("*.arrow"))) == published  # nothing published after its end
