@@ -21,7 +21,7 @@ from prefect.exceptions import TerminationSignal
 
 from configs.schema import Config, load_config
 from storage import ledger
-from storage.lake import atomic_write_bytes
+from storage.lake import atomic_write_bytes, read_json
 from tasks.iteration import (
     audit_task,
     catalog_iteration,
@@ -171,6 +171,13 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
     try:
         start_iteration = s.version  # iteration k produces version k+1
         _settle_ledger(s)
+        path = f"{s.lake.run_dir(s.run_id)}/summary.json"
+        if start_iteration >= cfg.run.iterations and s.lake.fs.exists(path):
+            # resumed after it had finished: nothing to train, and its summary stays as it was written
+            summary = {**read_json(s.lake, path), "summary_path": s.lake.url(path)}
+            progress_hook({"event": "done", **summary})
+            status = "FINISHED"
+            return {**summary, "history": []}
         acc0 = evaluate_task(s.run_id)
         s.tracker.log_metrics({"eval/accuracy": acc0}, step=start_iteration)
         progress_hook({"event": "start", "run_id": s.run_id, "iterations": cfg.run.iterations,
@@ -221,7 +228,6 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             "median_overhead_fraction": statistics.median(f["perf/overhead_fraction"] for f in history)
             if history else 0.0,
         }
-        path = f"{s.lake.run_dir(s.run_id)}/summary.json"
         atomic_write_bytes(s.lake, s.run_id, path, json.dumps(summary, indent=2).encode())
         summary["summary_path"] = s.lake.url(path)
         _log_artifacts(s, history, acc0, acc_final)
@@ -306,6 +312,8 @@ def _log_artifacts(s: RunSession, history: list[dict], acc0: float, acc_final: f
         with open(cfg_path, "w") as f:
             f.write(resolved_json(s.cfg))
         s.tracker.log_artifact(cfg_path)
+        if not history:  # resumed after its last promotion (killed before its summary): no curve to draw
+            return
         start = s.cfg.run.iterations - len(history)
         steps = list(range(start, start + len(history)))
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,13 @@ class Lake:
 
     def ledger_file(self, run_id: str, iteration: int) -> str:
         return f"{self.run_dir(run_id)}/ledger/iter-{iteration:06d}.json"
+
+    def quarantine_dir(self, run_id: str, label: str) -> str:
+        """A new folder under `quarantine/` for what one resume sets aside, named by `label` and the time: evidence
+        set aside by an earlier resume (the same shard damaged again, two resumes in one second) is never
+        overwritten."""
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        return f"{self.run_dir(run_id)}/quarantine/{label}-{stamp}-{uuid.uuid4().hex[:8]}"
 
     def tmp_path(self, run_id: str, name: str) -> str:
         return f"{self.run_dir(run_id)}/_tmp/{uuid.uuid4().hex}-{name}"

@@ -73,13 +73,15 @@ def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]
     """Chunk indices whose shard exists and passes its checksum; damaged shards are moved to quarantine/."""
     fs = s.lake.fs
     valid, quarantined = [], []
+    folder = None
     for path in list_shards(s, run_id, iteration):
         try:
             read_shard(s.lake, path)
             valid.append(int(path.rsplit("-", 1)[-1].split(".")[0]))
         except ShardError:
-            dest = f"{s.lake.run_dir(run_id)}/quarantine/iter-{iteration:06d}/{path.rsplit('/', 1)[-1]}"
-            fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+            folder = folder or s.lake.quarantine_dir(run_id, f"iter-{iteration:06d}")
+            dest = f"{folder}/{path.rsplit('/', 1)[-1]}"
+            fs.makedirs(folder, exist_ok=True)
             fs.mv(path, dest)
             quarantined.append(dest)
     return valid, quarantined

@@ -357,6 +357,8 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
         checkpoints.promote(lake, run_id, 0)
         version = 0
     else:  # reopen: continue from the promoted checkpoint with its optimizer and RNG state
+        checkpoints.verify_checkpoint(lake, lake.checkpoint_dir(run_id, version))  # a file damaged since its
+        # promotion (a disk fault, a hand edit) is named here instead of being trained on
         restore_trainer(trainer, lake, run_id, version)
         set_aside_unpromoted_rollouts(lake, run_id, version)
 
@@ -425,11 +427,13 @@ def set_aside_unpromoted_rollouts(lake: Lake, run_id: str, promoted: int) -> lis
     moved = []
     if not fs.exists(root):
         return moved
+    aside = None
     for folder in fs.ls(root, detail=False):
         name = folder.rstrip("/").rsplit("/", 1)[-1]
         if name.startswith("policy_version=") and int(name.split("=", 1)[1]) > promoted:
-            dest = f"{lake.run_dir(run_id)}/quarantine/unpromoted-{time.strftime('%Y%m%dT%H%M%S')}/{name}"
-            fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+            aside = aside or lake.quarantine_dir(run_id, "unpromoted")
+            dest = f"{aside}/{name}"
+            fs.makedirs(aside, exist_ok=True)
             fs.mv(folder, dest, recursive=True)
             moved.append(dest)
     return moved

@@ -151,3 +151,34 @@ def test_session_resources_end_when_tracking_fails(tmp_path, monkeypatch):
         train_flow(config_path=write_config(tmp_path, "start", {"run.iterations": 1}))
     assert live_workers() == [] and "start" not in session.SESSIONS
     assert set(glob.glob(mine)) == before
+
+
+def test_resume_after_the_last_promotion(tmp_path):
+    """Resume of a run past its last promotion: a finished run is left as it is (its summary not rewritten); one
+    killed before its summary gets it (an IndexError before); and the promoted checkpoint is verified against its
+    manifest before training on it, so a weight file damaged since (a disk fault) is named instead of loaded."""
+    import json
+
+    from storage.checkpoints import CheckpointError
+
+    config = write_config(tmp_path, "done", {"run.iterations": 1})
+    first = train_flow(config_path=config)
+    lake = Lake(str(tmp_path / "lake"))
+    summary_file = f"{lake.run_dir('done')}/summary.json"
+    written = lake.fs.cat_file(summary_file)
+    again = train_flow(config_path=config, resume=True)
+    assert again["history"] == [] and lake.fs.cat_file(summary_file) == written
+    assert {k: again[k] for k in json.loads(written)} == {k: first[k] for k in json.loads(written)}
+
+    lake.fs.rm(summary_file)  # as if killed during the final evaluation
+    late = train_flow(config_path=config, resume=True)
+    assert late["promoted_version"] == 1 and late["eval_accuracy_final"] == first["eval_accuracy_final"]
+    assert json.loads(lake.fs.cat_file(summary_file))["promoted_version"] == 1
+
+    weights = f"{lake.checkpoint_dir('done', 1)}/model.safetensors"
+    data = bytearray(lake.fs.cat_file(weights))
+    data[-1] ^= 0xFF  # the last tensor's last byte: the file still parses
+    lake.fs.pipe_file(weights, bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors does not match its manifest"):
+        train_flow(config_path=config, resume=True)
+    assert checkpoints.promoted_version(lake, "done") == 1

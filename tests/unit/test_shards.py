@@ -405,3 +405,10 @@ def test_every_single_bit_flip_is_detected_or_harmless():
         env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+
+
+def test_quarantine_folders_are_never_reused(local_lake):
+    """Two resumes in the same second (or one shard damaged twice) set their evidence aside in folders of their own."""
+    a, b = (local_lake.quarantine_dir("q", "iter-000003") for _ in range(2))
+    assert a != b
+    assert a.startswith(f"{local_lake.run_dir('q')}/quarantine/iter-000003-")
