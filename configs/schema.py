@@ -272,6 +272,14 @@ class Config(_Section):
                              "weights never change during generation); set it to false or use mode: async")
         if self.task.kind == "dataset" and self.task.dataset is None:
             raise ValueError("task.kind 'dataset' needs a task.dataset section with at least `uri`")
+        if self.task.kind == "arithmetic" and self.task.dataset is not None:
+            raise ValueError("task.dataset is set but task.kind is 'arithmetic', which would ignore it: set "
+                             "task.kind: dataset, or remove the task.dataset section")
+        if len(set(self.task.ops)) < len(self.task.ops):  # a problem listed twice could be both trained and held out
+            raise ValueError(f"task.ops {self.task.ops} lists an operator twice: give each once")
+        if self.rollout.engine == "vllm" and self.trainer.device == "cpu":
+            raise ValueError("rollout.engine 'vllm' generates on a GPU (CUDA, or Ascend with vllm-ascend) while "
+                             "trainer.device is 'cpu': use rollout.engine builtin, or trainer.device auto / cuda / npu")
         t = self.task
         if t.kind == "arithmetic":  # the split of models/arithmetic.build_splits, known before any work
             n_problems = len(t.ops) * (t.max_operand + 1) ** 2

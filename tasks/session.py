@@ -27,9 +27,10 @@ from models.rewards import score
 from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, load_hf, single_token_id
 from models.trainer import LossSettings, PolicyTrainer
 from storage import checkpoints
+from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, validate_run_id
 from storage.tracking import Tracker
-from tasks.preflight import check_inputs
+from tasks.preflight import InputError, check_inputs
 from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
 
 
@@ -189,6 +190,25 @@ def task_prompts(cfg: Config, tokenizer) -> tuple[list, list, list, list]:
     return train_prompts, train_ids, eval_prompts, eval_ids
 
 
+def check_task(cfg: Config) -> None:
+    """The task's prompts build, fit `task.max_prompt_tokens` and fill a batch; raises `InputError`. Run before the
+    run exists: a dataset's usable rows are known only once read, and this is where a too-large batch used to fail,
+    after the bootstrap's SFT. The tokenizer is v0's (the bootstrap trains weights only), built or read cheaply."""
+    if cfg.model.path:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    else:
+        tokenizer = build_char_tokenizer()
+    try:
+        train_prompts, _, _, _ = task_prompts(cfg, tokenizer)
+        iteration_prompt_ids(cfg, len(train_prompts), 0)
+    except DatasetError:  # already names the file, the row and what to do
+        raise
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
 def _dataset_prompts(cfg: Config) -> tuple[list, list]:
     import random
 
@@ -341,6 +361,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
         raise FileNotFoundError(f"no run {run_id} in {cfg.lake.uri} to resume ({config_path} is missing)")
     else:
         check_inputs(cfg)  # a model or dataset that cannot be read fails here, before the run exists
+        check_task(cfg)
         atomic_write_bytes(lake, run_id, config_path, resolved_json(cfg).encode())
 
     torch.set_num_threads(os.cpu_count() or 1)  # no rollout worker runs yet: the bootstrap may use every core

@@ -57,3 +57,5 @@ def test_bad_rows_fail_when_asked(tmp_path):
 
     with pytest.raises(DatasetError, match=r"train\.jsonl, row 40: empty 'question'"):
         train_flow(config_path=write_config(tmp_path, "gsmfail", overrides))
+    lake = Lake(str(tmp_path / "lake"))
+    assert not lake.fs.exists(lake.run_dir("gsmfail"))  # refused before the run existed: fix the data, train again

@@ -557,3 +557,38 @@ def test_cli_duplicate_key_and_bool_exit_2(tmp_path, capsys):
     assert "key 'group_size' appears twice (lines 2 and 3): keep one" in cli_stderr(capsys)
     assert cli.main(["train", str(REPO / "configs" / "arith-tiny.yaml"), "-o", "trainer.lr=true"]) == 2
     assert "trainer.lr: Input should be a number, not a boolean (got True)" in cli_stderr(capsys)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["task.ops=['+', '*', '+']"], "task.ops ['+', '*', '+'] lists an operator twice: give each once"),
+    (["task.dataset={uri: x.jsonl}"], "task.dataset is set but task.kind is 'arithmetic', which would ignore it"),
+    (["rollout.engine=vllm", "trainer.device=cpu"], "rollout.engine 'vllm' generates on a GPU (CUDA, or Ascend "
+                                                     "with vllm-ascend) while trainer.device is 'cpu'"),
+])
+def test_settings_that_would_be_ignored_or_fail_later(overrides, expected):
+    assert f"(top level): {expected}" in load_error(None, overrides)
+
+
+def test_task_that_cannot_fill_a_batch_fails_before_the_run_exists(tmp_path):
+    """A dataset's usable rows are known only once read: too few for a batch, or prompts over the token limit, fail
+    in open_session before the run's config.json is written (it used to fail after the bootstrap's SFT, leaving a
+    run that `lockstep train` then refused as existing)."""
+    import json
+
+    from storage.lake import Lake
+    from tasks.preflight import InputError
+    from tasks.session import open_session
+
+    data = tmp_path / "five.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(7)))
+    base = [f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false", "task.kind=dataset", "task.n_shots=0",
+            f"task.dataset={{uri: {data}}}", "task.n_eval=2", "run.run_id=small", "bootstrap.steps=0"]
+    cfg = load_config(None, [*base, "rollout.prompts_per_iteration=6"])
+    with pytest.raises(InputError, match="rollout.prompts_per_iteration=6 exceeds the 5 training prompts"):
+        open_session(cfg)
+    arith = load_config(None, [f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false", "run.run_id=long",
+                               "task.max_prompt_tokens=16", "bootstrap.steps=0"])
+    with pytest.raises(InputError, match="training prompts exceed task.max_prompt_tokens=16"):
+        open_session(arith)
+    lake = Lake(str(tmp_path / "lake"))
+    assert not lake.fs.exists(lake.run_dir("small")) and not lake.fs.exists(lake.run_dir("long"))
