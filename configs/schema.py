@@ -102,7 +102,7 @@ class DatasetSection(_Section):
     def _template(cls, template: str) -> str:
         try:
             ok = template.format(question="\0") != template.format(question="")
-        except (KeyError, IndexError, ValueError):
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError):  # {x}, {0}, {:q}, {question.a}
             ok = False
         if not ok:
             raise ValueError("must contain {question}; write literal braces as {{ }}")

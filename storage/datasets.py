@@ -59,6 +59,8 @@ def resolve_format(uri: str, fmt: Format) -> Format:
         return "parquet"
     if uri.endswith((".jsonl", ".json")):
         return "jsonl"
+    if uri.startswith("hf://") or os.path.isdir(uri):  # `datasets.load_dataset` reads a hub URL or a local folder
+        return "hf"
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     ext = name.rsplit(".", 1)[-1] if "." in name else ""
     # a hub id ("openai/gsm8k") is neither a URL nor a path, and a dotted part of it is rarely all letters

@@ -45,9 +45,9 @@ def check_model_path(path: str) -> None:
     except HFValidationError as e:
         raise InputError(f"model.path {path!r} is neither a local directory nor a hub id ({e}); give a local "
                          "Hugging Face model directory or a hub id such as Qwen/Qwen2.5-0.5B") from None
+    if not _offline():
+        return  # from_pretrained downloads what the cache lacks (a partial cache: a cut download, a config read)
     if not isinstance(cached, str):  # None, or the cache's marker of a file known not to exist
-        if not _offline():
-            return  # from_pretrained downloads it
         raise InputError(f"model.path {path!r} is not a local directory, and as a hub id it is not in the Hugging "
                          f"Face cache ({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE=1 forbids downloading: "
                          f"download it first (`hf download {path}` where there is network) or give a local directory")

@@ -350,7 +350,8 @@ def test_cross_field_error_does_not_print_the_whole_config(tmp_path):
 
 def test_template_must_contain_question(tmp_path):
     base = "task:\n  kind: dataset\n  dataset:\n    uri: x.jsonl\n    template: "
-    for template in ['"hello"', '"{foo}"', '"{0}"', '"Q: {question} {x}"', '"Q: {question"']:
+    for template in ['"hello"', '"{foo}"', '"{0}"', '"Q: {question} {x}"', '"Q: {question"', '"Q: {question.a}"',
+                     '"Q: {question[0]}"']:
         msg = load_error(write(tmp_path, base + template + "\n"))
         expected = "task.dataset.template: must contain {question}; write literal braces as {{ }}"
         assert f"{expected} (got {template[1:-1]!r})" in msg

@@ -110,6 +110,8 @@ def test_unknown_extension_is_not_taken_for_a_hub_id(tmp_path):
                                 "(.jsonl, .json) or Parquet (.parquet) file or a Hugging Face dataset id, or set "
                                 "task.dataset.format to jsonl, parquet or hf")
     assert resolve_format("openai/gsm8k", "auto") == "hf"
+    assert resolve_format("hf://datasets/openai/gsm8k", "auto") == "hf"
+    assert resolve_format(str(tmp_path), "auto") == "hf"  # a local folder: `datasets.load_dataset` reads it
     assert resolve_format("s3://bucket/train.jsonl", "auto") == "jsonl"
     assert resolve_format(str(path), "jsonl") == "jsonl"  # an explicit format is the user's call
 
@@ -139,10 +141,21 @@ def test_protocol_without_its_package():
                             "installed (Install s3fs to access S3); install it, or copy the file to a local path")
 
 
-def test_check_readable_reads_the_first_row_only(tmp_path):
+def test_check_readable_reads_the_first_row_only(tmp_path, monkeypatch):
     # the first row reads; what follows is load_prompts' to skip and count
+    import storage.datasets
+
     path = _jsonl(str(tmp_path / "d.jsonl"), [json.dumps(GOOD[0]).encode(), b"\xff\xfe not json"])
+    real, taken = storage.datasets._rows, []
+
+    def counted(*args):
+        for row in real(*args):
+            taken.append(row)
+            yield row
+
+    monkeypatch.setattr(storage.datasets, "_rows", counted)
     check_readable(path)
+    assert [r for _, r in taken] == [GOOD[0]]  # one row taken from the source, not the whole file
     with pytest.raises(DatasetError, match="no such file"):
         check_readable(str(tmp_path / "other.jsonl"))
 

@@ -136,9 +136,11 @@ def test_hub_id_offline_must_be_cached(monkeypatch, tmp_path, model_dir):
     (repo / "snapshots" / "abc123" / "tokenizer.json").unlink()
     (repo / "snapshots" / "abc123" / "tokenizer_config.json").unlink()
     assert "model.path 'Org/tiny' (Hugging Face cache): " in input_error(load_config(ARITH, ["model.path=Org/tiny"]))
-    # online, an uncached id is from_pretrained's to download
+    # online, an uncached id is from_pretrained's to download, and so is what a partial cache lacks (here the
+    # tokenizer files deleted above: a download cut short, or an earlier AutoConfig call)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     check_inputs(load_config(ARITH, ["model.path=Org/not-cached"]))
+    check_inputs(load_config(ARITH, ["model.path=Org/tiny"]))
 
 
 # ------------------------------------------------------------------------------------------------ datasets
