@@ -180,15 +180,11 @@ def cmd_replay(args) -> int:
     from storage.lake import validate_run_id
 
     try:
-        _run_config_path(args.lake, args.run_id)
+        _run_config_path(args.lake, args.run_id)  # checked before the flow starts Prefect
         if args.to is not None:
             validate_run_id(args.to)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: cannot replay {args.run_id!r}: {e}", file=sys.stderr)
-        return 2
-    from flows.replay import replay_flow
+        from flows.replay import replay_flow
 
-    try:
         rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: cannot replay {args.run_id!r}: {e}", file=sys.stderr)

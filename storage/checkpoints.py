@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -280,8 +281,6 @@ def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
     part = f"{dest}.part-{os.getpid()}-{time.time_ns()}"
     try:
         lake.fs.get(path, part, recursive=True)
-        from fsspec.implementations.local import LocalFileSystem
-
         _verify_files(LocalFileSystem(), part)
         try:
             os.rename(part, dest)

@@ -131,6 +131,13 @@ def test_session_resources_end_when_tracking_fails(tmp_path, monkeypatch):
 
     mine = f"/dev/shm/lockstep-weights-{os.getpid()}-*"  # this process's: other test workers run runs of their own
     before = set(glob.glob(mine))
+
+    def fails_and_leaves_nothing(run_id: str, error: str) -> None:
+        with pytest.raises(ConnectionError, match=error):
+            train_flow(config_path=write_config(tmp_path, run_id, {"run.iterations": 1}))
+        assert live_workers() == [] and run_id not in session.SESSIONS
+        assert set(glob.glob(mine)) == before
+
     real_finish = Tracker.finish
 
     def failing_finish(self, status):
@@ -138,19 +145,13 @@ def test_session_resources_end_when_tracking_fails(tmp_path, monkeypatch):
         raise ConnectionError("tracking server went away")
 
     monkeypatch.setattr(Tracker, "finish", failing_finish)
-    with pytest.raises(ConnectionError, match="went away"):
-        train_flow(config_path=write_config(tmp_path, "finish", {"run.iterations": 1}))
-    assert live_workers() == [] and "finish" not in session.SESSIONS
-    assert set(glob.glob(mine)) == before
+    fails_and_leaves_nothing("finish", "went away")
 
     def failing_start(*args, **kwargs):
         raise ConnectionError("tracking server unreachable")
 
     monkeypatch.setattr(Tracker, "start", failing_start)
-    with pytest.raises(ConnectionError, match="unreachable"):
-        train_flow(config_path=write_config(tmp_path, "start", {"run.iterations": 1}))
-    assert live_workers() == [] and "start" not in session.SESSIONS
-    assert set(glob.glob(mine)) == before
+    fails_and_leaves_nothing("start", "unreachable")
 
 
 def test_resume_after_the_last_promotion(tmp_path):
