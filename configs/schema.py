@@ -35,6 +35,13 @@ class _Section(BaseModel):
         # pydantic reads true as 1 for int and float fields: `-o trainer.lr=true` would train at lr 1.0
         if isinstance(value, bool) and bool not in types and types & {int, float}:
             raise ValueError("Input should be a number, not a boolean")
+        # YAML 1.1 reads 1e-5 and 1e3 as strings; a number field takes the number a user means, a string
+        # field (run.run_id=1e3) keeps the string
+        if isinstance(value, str) and str not in types and types & {int, float}:
+            try:
+                return float(value)
+            except ValueError:
+                return value
         # a section whose every field is commented out reads as null in YAML: it means the defaults
         if value is None and NoneType not in types and any(isinstance(t, type) and issubclass(t, _Section)
                                                            for t in types):
@@ -71,7 +78,8 @@ class TinyModelSection(_Section):
     @model_validator(mode="after")
     def _heads(self):
         if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
-            raise ValueError("num_kv_heads must divide num_heads, and num_heads must divide hidden_size")
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}), and "
+                             f"num_heads must divide hidden_size ({self.hidden_size})")
         head_dim = self.hidden_size // self.num_heads
         if head_dim % 2:  # rotary embeddings rotate pairs of dimensions
             raise ValueError(f"head_dim = hidden_size / num_heads = {self.hidden_size} / {self.num_heads} = "
@@ -366,7 +374,8 @@ def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """`key.path=value` strings; the value is read as YAML (1e-5 -> float, true -> bool, [a, b] -> list)."""
+    """`key.path=value` strings; the value is read as YAML (true -> bool, [a, b] -> list, 0.5 -> float; 1e-5
+    stays a string here, YAML 1.1's reading, and becomes a float in a number field when the config validates)."""
     out = []
     for item in overrides:
         if "=" not in item:
@@ -378,12 +387,6 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
-        # YAML 1.1 reads '1e-5' as a string; accept the float a user means
-        if isinstance(value, str):
-            try:
-                value = float(value) if any(c in value.lower() for c in "e.") and value.strip() else value
-            except ValueError:
-                pass
         out.append((key.strip(), value))
     return out
 
@@ -393,8 +396,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
-        # a cross-field error's input is the whole config: the message names the fields instead
-        got = "" if e["type"] == "missing" or not e["loc"] else f" (got {e.get('input')!r})"
+        # a cross-field error's input is the whole config or section: the message names the fields instead
+        cross_field = e["type"] == "value_error" and isinstance(e.get("input"), dict)
+        got = "" if e["type"] == "missing" or not e["loc"] or cross_field else f" (got {e.get('input')!r})"
         lines.append(f"  {loc}: {msg}{got}")
     return "\n".join(lines)
 

@@ -97,7 +97,22 @@ def test_override_scientific_float():
     # YAML 1.1 reads '1e-5' as a string; the loader must give the float a user means
     cfg = load_config(REPO / "configs" / "arith-tiny.yaml", ["trainer.lr=1e-5"])
     assert cfg.trainer.lr == 1e-5 and type(cfg.trainer.lr) is float
-    assert parse_overrides(["trainer.lr=1e-5"]) == [("trainer.lr", 1e-5)]
+
+
+def test_exponent_strings_become_numbers_only_in_number_fields(tmp_path):
+    # a string field keeps what YAML read: `-o run.run_id=1e3` is the run id "1e3", not 1000.0 (which was refused)
+    assert parse_overrides(["run.run_id=1e3"]) == [("run.run_id", "1e3")]
+    cfg = load_config(None, ["run.run_id=1e3", "run.name=2.5e1", "run.iterations=1e3", "trainer.grad_clip=2e0"])
+    assert cfg.run.run_id == "1e3" and cfg.run.name == "2.5e1"
+    assert cfg.run.iterations == 1000 and type(cfg.run.iterations) is int
+    assert cfg.trainer.grad_clip == 2.0
+    # the same reading for a file's values (YAML 1.1 leaves `lr: 1e-5` a string there too)
+    cfg = load_config(write(tmp_path, "run:\n  run_id: 5e2\n  iterations: 2e1\ntrainer:\n  lr: 1e-5\n", "ok.yaml"))
+    assert (cfg.run.run_id, cfg.run.iterations, cfg.trainer.lr) == ("5e2", 20, 1e-5)
+    assert "run.iterations: Input should be a valid integer, got a number with a fractional part (got 1.5)" in (
+        load_error(None, ["run.iterations=1.5e0"]))
+    assert "run.iterations: Input should be a valid integer, unable to parse string as an integer (got '1x3')" in (
+        load_error(None, ["run.iterations=1x3"]))
 
 
 def test_override_literal_int_bool_null():
@@ -279,13 +294,14 @@ def test_cross_field_heads(tmp_path):
     p = write(tmp_path, "model:\n  tiny: {num_heads: 4, num_kv_heads: 3}\n")
     msg = load_error(p)
     assert str(p) in msg
-    assert "model.tiny: num_kv_heads must divide num_heads" in msg
+    assert "model.tiny: num_kv_heads (3) must divide num_heads (4), and num_heads must divide hidden_size (128)" in msg
+    assert "(got {" not in msg  # the message names the values; the section's other fields are not printed
 
 
 def test_cross_field_hidden_size_divisible_by_heads(tmp_path):
     # 130 % 4 = 2
     p = write(tmp_path, "model:\n  tiny: {hidden_size: 130, num_heads: 4, num_kv_heads: 2}\n")
-    assert "num_heads must divide hidden_size" in load_error(p)
+    assert "num_heads must divide hidden_size (130)" in load_error(p)
 
 
 def test_interrupt_needs_async():
