@@ -8,7 +8,9 @@ A bad config exits with code 2 and a message naming the file, the field and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import logging
 import os
 import sys
 import time
@@ -23,6 +25,32 @@ def _quiet_environment() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("LANCEDB_LOG", "error")  # not "WARN No existing dataset" when the catalog is created
+
+
+class _DropReported(logging.Filter):
+    """Drops Prefect's "Encountered exception" record (with its traceback) for the input errors the CLI reports
+    itself in one line; the flow run still ends Failed, with the message, in Prefect's own records."""
+
+    def __init__(self, errors: tuple[type[BaseException], ...]):
+        super().__init__()
+        self.errors = errors
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], self.errors))
+
+
+@contextlib.contextmanager
+def _reported_by_cli(*errors: type[BaseException]):
+    """While a flow runs, Prefect's run loggers leave `errors` to the CLI's message."""
+    loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
+    drop = _DropReported(errors)
+    for lg in loggers:
+        lg.addFilter(drop)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(drop)
 
 
 class _Progress:
@@ -105,9 +133,11 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool) -> 
     progress = _Progress(console)
     train_mod.progress_hook = progress
     t0 = time.perf_counter()
+    input_errors = (RunExistsError, FileNotFoundError, ConfigError, DatasetError, ModelDirError)
     try:
-        summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
-    except (RunExistsError, FileNotFoundError, ConfigError, DatasetError, ModelDirError) as e:
+        with _reported_by_cli(*input_errors):
+            summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
+    except input_errors as e:
         # input errors the flow finds only as it reads them: a dataset's rows, the run to resume
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
@@ -185,7 +215,8 @@ def cmd_replay(args) -> int:
             validate_run_id(args.to)
         from flows.replay import replay_flow
 
-        rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
+        with _reported_by_cli(FileExistsError):  # --to names an existing run; other errors keep their traceback
+            rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: cannot replay {args.run_id!r}: {e}", file=sys.stderr)
         return 2

@@ -121,3 +121,15 @@ def test_train_input_error_inside_the_flow_exits_2(monkeypatch, capsys, tmp_path
     monkeypatch.setattr(flows.train, "train_flow", flow)
     assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}"]) == 2
     assert squash(f"error: {error}") in cli_stderr(capsys)
+
+
+def test_train_of_an_existing_run_prints_one_line_not_prefects_traceback(lake_with_run, capfd):
+    # the real flow (Prefect's engine and loggers): open_session finds runs/r1 and raises RunExistsError, which
+    # Prefect logged with its traceback ("Encountered exception during execution") before the CLI's own line
+    code = cli.main(["train", ARITH, "-o", f"lake.uri={lake_with_run}", "-o", "run.run_id=r1",
+                     "-o", "tracking.enabled=false"])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and "Encountered exception" not in err
+    assert squash(f"error: run r1 already exists in {lake_with_run}: continue it with `lockstep resume r1") in (
+        squash(err))
