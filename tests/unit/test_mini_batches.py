@@ -135,7 +135,7 @@ def test_before_step_runs_before_every_optimizer_step_and_sees_the_weights_uncha
     seen: list[float] = []  # max |w - start| each time the hook runs
     steps_before: list[int] = []
     steps = BatchSteps(trainer, _cfg(m), PLAN, version=0, before_step=lambda: (
-        seen.append(max(float((p - s).abs().max()) for p, s in zip(model.parameters(), start))),
+        seen.append(max(float((p.detach() - s).abs().max()) for p, s in zip(model.parameters(), start))),
         steps_before.append(len(steps.steps))))
     for i in range(0, 8, 2):
         steps.add([groups[p] for p in PLAN[i : i + 2]])
