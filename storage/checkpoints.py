@@ -202,8 +202,19 @@ def promote(lake: Lake, run_id: str, version: int) -> None:
 
 
 def promoted_version(lake: Lake, run_id: str) -> int | None:
+    """The run's promoted version; None before the first promotion, CheckpointError if PROMOTED is damaged."""
     path = lake.promoted_file(run_id)
-    return int(read_json(lake, path)["version"]) if lake.fs.exists(path) else None
+    if not lake.fs.exists(path):
+        return None
+    try:
+        version = read_json(lake, path)["version"]
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version {version!r} is not a version number")
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, no "version", not a mapping
+        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e}); it is written atomically, so this is "
+                              "outside damage: restore it from a backup or rewrite it as {\"version\": N} with the "
+                              "newest checkpoint that verifies") from None
+    return version
 
 
 def load_weights(lake: Lake, path: str) -> dict[str, torch.Tensor]:
@@ -298,12 +309,24 @@ def export_hf(lake: Lake, path: str, out_dir: str) -> str:
     verify_checkpoint(lake, path)
     manifest = read_json(lake, f"{path}/MANIFEST.json")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out_dir} is a file; choose a new directory")
     if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"export target {out_dir} exists and is not empty; choose a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    for rel in manifest:
-        if rel.startswith("trainer_state/"):
-            continue
-        with lake.fs.open(f"{path}/{rel}", "rb") as f:
-            (out / rel).write_bytes(f.read())
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written beside the target and renamed into place when complete: a failed export (disk full, a quota) leaves
+    # no directory that looks like a model
+    tmp = out.parent / f".{out.name}.{os.getpid()}-{time.time_ns()}.partial"
+    tmp.mkdir()
+    try:
+        for rel in manifest:
+            if rel.startswith("trainer_state/"):
+                continue
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            with lake.fs.open(f"{path}/{rel}", "rb") as f:
+                (tmp / rel).write_bytes(f.read())
+        os.replace(tmp, out)  # replaces an empty target directory too
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return str(out)

@@ -100,5 +100,11 @@ def atomic_write_json(lake: Lake, run_id: str, path: str, obj: Any) -> None:
 
 
 def read_json(lake: Lake, path: str) -> Any:
+    """A JSON file of the lake; ValueError naming the file if it is not JSON (the lake writes each atomically, so
+    damage came from outside)."""
     with lake.fs.open(path, "rb") as f:
-        return json.loads(f.read())
+        data = f.read()
+    try:
+        return json.loads(data)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e})") from None

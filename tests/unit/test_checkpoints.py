@@ -229,6 +229,43 @@ def test_promote_refuses_incomplete_checkpoint_and_keeps_previous(tiny_hf, lake)
     assert json.loads(Path(lake.promoted_file(RUN)).read_text()) == {"version": 1}
 
 
+@pytest.mark.parametrize("content", ['{"v": 1}', "{bad", '{"version": "2"}', '[1]'])
+def test_a_damaged_promoted_file_is_named(tiny_hf, lake, content):
+    save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    promote(lake, RUN, 1)
+    Path(lake.promoted_file(RUN)).write_text(content)  # damage from outside: PROMOTED is written atomically
+    with pytest.raises(CheckpointError, match=f"{lake.promoted_file(RUN)} is damaged"):
+        promoted_version(lake, RUN)
+
+
+def test_a_failed_export_leaves_no_directory(tiny_hf, lake, tmp_path, monkeypatch):
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    written = []
+    real = Path.write_bytes
+
+    def disk_full_at_the_second_file(self, data):
+        if written:
+            raise OSError(28, "No space left on device", str(self))
+        written.append(self.name)
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", disk_full_at_the_second_file)
+    for target in (tmp_path / "out", tmp_path / "empty"):  # a new directory, and an existing empty one
+        if target.name == "empty":
+            target.mkdir()
+        with pytest.raises(OSError, match="No space left"):
+            export_hf(lake, path, str(target))
+        # before: the target held the files written so far, a model directory that looked complete
+        assert written and (not target.exists() or not any(target.iterdir()))
+        written.clear()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "lake"]  # no partial folder left beside
+    monkeypatch.undo()
+    out = Path(export_hf(lake, path, str(tmp_path / "empty")))
+    assert (out / "model.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["empty", "lake"]
+    with pytest.raises(FileExistsError, match="is a file"):
+        export_hf(lake, path, str(out / "model.safetensors"))
+
+
 def test_promote_of_missing_version_fails(tiny_hf, lake):
     with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
         promote(lake, RUN, 7)
