@@ -127,6 +127,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool) -> 
 
     import flows.train as train_mod
     from models.tiny import ModelDirError
+    from storage.checkpoints import CheckpointError
     from storage.datasets import DatasetError
     from tasks.session import RunExistsError
 
@@ -137,7 +138,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool) -> 
     try:
         with _reported_by_cli(*input_errors):
             summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
-    except input_errors as e:
+    except (*input_errors, CheckpointError) as e:  # CheckpointError: a damaged lake; Prefect logs its traceback
         # input errors the flow finds only as it reads them: a dataset's rows, the run to resume
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
@@ -227,6 +228,28 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def _unbalanced(sql: str) -> str | None:
+    """Why a SQL filter's parentheses do not pair up outside its quoted strings and names, or None if they do.
+
+    `--where` is combined with `--version` as `(WHERE) AND policy_version = V`: an unpaired `)` would close the
+    wrapper and OR past the version filter."""
+    depth, quote = 0, None
+    for i, c in enumerate(sql):
+        if quote:
+            quote = None if c == quote else quote  # a doubled quote ('it''s') closes and reopens: same result
+        elif c in "'\"`":
+            quote = c
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth < 0:
+                return f"the ')' at character {i + 1} closes nothing"
+    if quote:
+        return f"a {quote} string is not closed"
+    return f"{depth} '(' not closed" if depth else None
+
+
 def cmd_audit(args) -> int:
     """Query a run's rollout catalog: by version, with a SQL filter, as a table, JSON or CSV."""
     import json
@@ -242,10 +265,19 @@ def cmd_audit(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.limit < 0:
+        print(f"error: --limit {args.limit}: give a number of rows, or 0 for all", file=sys.stderr)
+        return 2
+    if args.where is not None and (why := _unbalanced(args.where)):
+        print(f"error: --where {args.where!r}: {why}", file=sys.stderr)
+        return 2
     lake = Lake(args.lake)
     uri = catalog.catalog_uri(lake, args.run_id)
     if uri is None:
         print(f"error: lake {args.lake} has no catalog (LanceDB needs a local or object-store lake)", file=sys.stderr)
+        return 2
+    if not lake.fs.exists(f"{lake.run_dir(args.run_id)}/catalog"):  # LanceDB would create an empty one
+        print(f"error: run {args.run_id} has no catalog yet (no iteration was promoted)", file=sys.stderr)
         return 2
     where = [f"({args.where})"] if args.where else []
     if args.version is not None:
@@ -257,8 +289,9 @@ def cmd_audit(args) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # a bad --where expression: LanceDB's parser says what is wrong
-        print(f"error: query failed for --where {args.where!r}: {e}", file=sys.stderr)
+    except Exception as e:  # LanceDB's parser says what is wrong with a filter; other failures name the catalog
+        about = f"--where {args.where!r}" if args.where else f"the catalog at {uri}"
+        print(f"error: query failed for {about}: {e}", file=sys.stderr)
         return 2
     if args.format == "json":
         print(json.dumps(rows, indent=1, default=str))
@@ -280,38 +313,77 @@ def cmd_audit(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    """Runs in a lake with their state and last promoted version."""
+    """Runs in a lake with their state and last promoted version; a damaged run is listed with what is wrong."""
     from storage import checkpoints, ledger
-    from storage.lake import Lake
+    from storage.lake import Lake, validate_run_id
 
     lake = Lake(args.lake)
+    if not lake.fs.isdir(lake.root):
+        what = "is not a directory" if lake.fs.exists(lake.root) else "does not exist"
+        print(f"error: lake {args.lake} {what}", file=sys.stderr)
+        return 2
     root = f"{lake.root}/runs"
     if not lake.fs.exists(root):
         print(f"no runs in {args.lake}")
         return 0
     for path in sorted(lake.fs.ls(root, detail=False)):
         run_id = path.rstrip("/").rsplit("/", 1)[-1]
-        records = ledger.read_all(lake, run_id)
+        if not lake.fs.isdir(path):
+            continue  # a stray file is not a run
+        try:
+            validate_run_id(run_id)
+        except ValueError:
+            print(f"{run_id!r}: not a run (its name is not a run id), skipped", file=sys.stderr)
+            continue
+        try:
+            records = ledger.read_all(lake, run_id)
+            version = checkpoints.promoted_version(lake, run_id)
+        except (ValueError, checkpoints.CheckpointError) as e:  # a ledger record that is not JSON: ValueError
+            print(f"{run_id:40s} {'damaged':24s} {e}")
+            continue
         done = lake.fs.exists(f"{path}/summary.json")
-        last = records[-1]["state"] if records else "created"
+        last = records[-1].get("state", "unknown") if records else "created"
         state = "finished" if done else ("failed" if last == "failed" else f"stopped ({last})")
-        print(f"{run_id:40s} {state:24s} version {checkpoints.promoted_version(lake, run_id)}")
+        print(f"{run_id:40s} {state:24s} version {version}")
     return 0
+
+
+def _os_reason(e: OSError) -> str:
+    """What the system refused, and on which path ('File exists: /out/file' when /out/file/sub was asked for)."""
+    if not e.strerror:  # raised by lockstep with its own message
+        return str(e)
+    return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
 
 
 def cmd_export(args) -> int:
     """Write one version of a run as a standalone Hugging Face directory."""
     from storage import checkpoints
-    from storage.lake import Lake, validate_run_id
+    from storage.lake import Lake
 
     lake = Lake(args.lake)
     try:
+        _run_config_path(args.lake, args.run_id)
+        if args.version is not None and args.version < 0:
+            raise ValueError(f"--version {args.version}: versions start at 0")
         version = args.version if args.version is not None else checkpoints.promoted_version(lake, args.run_id)
         if version is None:
-            raise FileNotFoundError(f"run {validate_run_id(args.run_id)} has no promoted version in {args.lake}")
-        out = checkpoints.export_hf(lake, lake.checkpoint_dir(args.run_id, version), args.out)
-    except (FileNotFoundError, FileExistsError, ValueError, checkpoints.CheckpointError) as e:
+            raise FileNotFoundError(f"run {args.run_id} has no promoted version in {args.lake} yet")
+        path = lake.checkpoint_dir(args.run_id, version)
+        if not lake.fs.exists(path):
+            kept = sorted(int(p.rstrip("/").rsplit("/v", 1)[-1])
+                          for p in lake.fs.glob(f"{lake.run_dir(args.run_id)}/checkpoints/v[0-9]*"))
+            raise FileNotFoundError(f"run {args.run_id} has no checkpoint v{version}; it has "
+                                    f"{', '.join(f'v{v}' for v in kept) or 'none'}")
+    except (FileNotFoundError, ValueError, checkpoints.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        out = checkpoints.export_hf(lake, path, args.out)
+    except checkpoints.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the target: a file, not writable, no space; nothing is left there
+        print(f"error: cannot export to --out {args.out}: {_os_reason(e)}", file=sys.stderr)
         return 2
     print(f"exported {args.run_id} v{version} to {out}")
     return 0
@@ -319,23 +391,46 @@ def cmd_export(args) -> int:
 
 def cmd_report(args) -> int:
     """PNG + HTML of a run's figures per iteration, written to --out and logged to its MLflow run."""
+    # MLflow's default of 7 retries with backoff waits ~4 minutes for a tracking server that is down; a report
+    # the user is waiting for fails within seconds instead (the variable, if set, wins)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
+    from pydantic import ValidationError
 
     from configs.schema import Config
     from flows.report import render, run_metrics
-    from storage.lake import Lake, read_json, validate_run_id
 
-    lake = Lake(args.lake)
     try:
-        cfg = Config.model_validate(read_json(lake, f"{lake.run_dir(validate_run_id(args.run_id))}/config.json"))
+        config_path = _run_config_path(args.lake, args.run_id)
+        from storage.lake import Lake, read_json
+
+        try:
+            cfg = Config.model_validate(read_json(Lake(args.lake), config_path))
+        except (ValueError, ValidationError) as e:  # not JSON, or not a config
+            raise ValueError(f"{config_path} is not a valid run config: {e}") from None
+        if not cfg.tracking.enabled:
+            raise ValueError(f"run {args.run_id} was trained with tracking.enabled=false: it has no MLflow records "
+                             "to report")
         mlflow_id, metrics = run_metrics(cfg.tracking.uri, args.run_id)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    png, page = render(args.run_id, metrics, args.out)
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
-    client.log_artifact(mlflow_id, png, "report")
-    client.log_artifact(mlflow_id, page, "report")
+    except MlflowException as e:
+        print(f"error: cannot read run {args.run_id}'s metrics from {cfg.tracking.uri}: {e.message}", file=sys.stderr)
+        return 2
+    try:
+        png, page = render(args.run_id, metrics, args.out)
+    except OSError as e:
+        print(f"error: cannot write the report to --out {args.out}: {_os_reason(e)}", file=sys.stderr)
+        return 2
+    try:
+        client = MlflowClient(tracking_uri=cfg.tracking.uri)
+        client.log_artifact(mlflow_id, png, "report")
+        client.log_artifact(mlflow_id, page, "report")
+    except (MlflowException, OSError) as e:  # the files are written: say so
+        print(f"{png}\n{page}\nerror: written, but not logged to MLflow run {mlflow_id}: {e}", file=sys.stderr)
+        return 1
     print(f"{png}\n{page}")
     return 0
 
@@ -392,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lake", default="./lake")
     p.add_argument("--version", type=int, default=None, help="only samples generated by this policy version")
     p.add_argument("--where", default=None, help="SQL filter, e.g. \"reward < 0.5 AND finish_reason = 'length'\"")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--limit", type=int, default=20, help="rows to show (default 20; 0: all)")
     p.add_argument("--format", choices=["table", "json", "csv"], default="table")
     p.set_defaults(func=cmd_audit)
     p = sub.add_parser("export", help="write a version of a run as a Hugging Face directory")
@@ -438,7 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_environment()
     _interrupt_on_sigterm()
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `lockstep audit ... | head` closed the pipe: the rest of the output is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+        return 1
 
 
 def run() -> None:

@@ -23,6 +23,11 @@ PANELS = {
 def run_metrics(tracking_uri: str, run_id: str) -> tuple[str, dict[str, list[tuple[int, float]]]]:
     from mlflow.tracking import MlflowClient
 
+    if tracking_uri.startswith("sqlite:///"):  # MLflow would create an empty database there
+        db = os.path.abspath(tracking_uri.removeprefix("sqlite:///"))
+        if not os.path.isfile(db):
+            raise FileNotFoundError(f"no MLflow database at {db} (tracking.uri {tracking_uri!r}; a relative path is "
+                                    "read from the directory the command runs in: run it where the run was trained)")
     client = MlflowClient(tracking_uri=tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(experiments, filter_string=f"tags.`lockstep.run_id` = '{run_id}'", max_results=1)
@@ -53,7 +58,8 @@ def render(run_id: str, metrics: dict[str, list[tuple[int, float]]], out_dir: st
         ax.set_title(title)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:  # a panel whose figures the run did not log stays empty, without a legend
+            ax.legend(fontsize=7)
     fig.suptitle(f"lockstep run {run_id}")
     fig.tight_layout()
     png = os.path.join(out_dir, f"{run_id}-report.png")

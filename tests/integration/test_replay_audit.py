@@ -11,6 +11,7 @@ from flows.replay import replay_flow
 from flows.train import train_flow
 from storage import catalog, checkpoints
 from storage.lake import Lake
+from tests.cli_output import cli_stderr, squash
 from tests.integration.runs import all_samples, final_params, write_config
 
 
@@ -67,7 +68,7 @@ def test_replay_and_audit(tmp_path, capsys):
     assert "orig" in listing and "finished" in listing and "version 2" in listing
 
 
-def test_export_round_trip(tmp_path):
+def test_export_round_trip(tmp_path, capsys):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -88,3 +89,14 @@ def test_export_round_trip(tmp_path):
     assert cli(["export", "exp", "--out", str(out), "--lake", lake_uri]) == 2  # refuses a non-empty target
     assert cli(["export", "nope", "--out", str(tmp_path / "x"), "--lake", lake_uri]) == 2
     assert checkpoints.promoted_version(Lake(lake_uri), "exp") == 1
+    capsys.readouterr()
+    # what is wrong, named: a version that does not exist (was "has no MANIFEST.json (incomplete write)"), a
+    # negative one, a file as target (was a NotADirectoryError traceback)
+    for argv, expected in [(["--version", "9"], "error: run exp has no checkpoint v9; it has v0, v1"),
+                           (["--version", "-1"], "error: --version -1: versions start at 0"),
+                           (["--out", str(out / "config.json")], "is a file; choose a new directory"),
+                           (["--out", str(out / "config.json" / "sub")], f"File exists: {out / 'config.json'}")]:
+        argv = ["--out", str(tmp_path / "new"), *argv] if "--out" not in argv else argv
+        assert cli(["export", "exp", "--lake", lake_uri, *argv]) == 2
+        assert squash(expected) in cli_stderr(capsys)
+    assert not (tmp_path / "new").exists()

@@ -3,6 +3,7 @@ run, a bad run id or config, an unreachable Prefect API exit 2 with one `error:`
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -78,6 +79,98 @@ def test_audit_of_a_missing_run_says_so_and_writes_nothing(lake_with_run, capsys
     assert not (lake_with_run / "runs" / "ghost").exists()  # LanceDB used to create runs/ghost/catalog
 
 
+def test_audit_refuses_a_negative_limit_and_a_run_without_catalog(lake_with_run, capsys):
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run), "--limit", "-1"]) == 2
+    assert squash("error: --limit -1: give a number of rows, or 0 for all") in cli_stderr(capsys)
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run)]) == 2
+    assert squash("error: run r1 has no catalog yet (no iteration was promoted)") in cli_stderr(capsys)
+    assert not (lake_with_run / "runs" / "r1" / "catalog").exists()  # LanceDB created an empty one before
+
+
+@pytest.mark.parametrize("where, why", [
+    ("reward >= 0) OR (reward > 5", "the ')' at character 12 closes nothing"),  # escaped the version filter
+    ("(reward > 0", "1 '(' not closed"),
+    ("finish_reason = 'stop", "a ' string is not closed"),
+])
+def test_audit_refuses_a_filter_that_would_escape_the_version_filter(lake_with_run, capsys, where, why):
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run), "--version", "1", "--where", where]) == 2
+    assert squash(f"error: --where {where!r}: {why}") in cli_stderr(capsys)
+
+
+@pytest.mark.parametrize("where", ["reward > 0 AND (finish_reason = ')')", "response_text LIKE '%it''s (%'",
+                                   '"reward" > 0', "(a) AND ((b))"])
+def test_parentheses_in_strings_and_names_are_not_counted(where):
+    assert cli._unbalanced(where) is None
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+
+def test_runs_lists_damaged_runs_and_skips_what_is_not_a_run(lake_with_run, capsys):
+    runs = lake_with_run / "runs"
+    for name in ("b1", "c1", "my run"):
+        (runs / name).mkdir()
+        (runs / name / "config.json").write_text("{}")
+    (runs / "b1" / "ledger").mkdir()
+    (runs / "b1" / "ledger" / "iter-000000.json").write_text("{bad")
+    (runs / "c1" / "checkpoints").mkdir()
+    (runs / "c1" / "checkpoints" / "PROMOTED").write_text('{"v": 1}')
+    (runs / "README.txt").write_text("notes")
+    assert cli.main(["runs", "--lake", str(lake_with_run)]) == 0  # one bad entry used to end the listing
+    out = capsys.readouterr()
+    lines = {line.split()[0]: line for line in out.out.splitlines()}
+    assert sorted(lines) == ["b1", "c1", "r1"]  # README.txt was listed as a run, "my run" crashed the listing
+    assert "damaged" in lines["b1"] and f"{runs}/b1/ledger/iter-000000.json is not valid JSON" in lines["b1"]
+    assert "damaged" in lines["c1"] and "PROMOTED is damaged (KeyError: 'version')" in lines["c1"]
+    assert "stopped (created)" in lines["r1"] and "version None" in lines["r1"]
+    assert "'my run': not a run (its name is not a run id), skipped" in out.err
+
+
+@pytest.mark.parametrize("what", ["missing", "file"])
+def test_runs_of_a_lake_that_is_not_there(tmp_path, capsys, what):
+    lake = tmp_path / "lake"
+    if what == "file":
+        lake.write_text("")
+    assert cli.main(["runs", "--lake", str(lake)]) == 2  # was "no runs in ..." and exit 0
+    reason = "is not a directory" if what == "file" else "does not exist"
+    assert squash(f"error: lake {lake} {reason}") in cli_stderr(capsys)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+@pytest.mark.parametrize("tracking, expected", [
+    ({"enabled": False}, "error: run r1 was trained with tracking.enabled=false: it has no MLflow records to report"),
+    ({"enabled": True, "uri": "sqlite:///mlflow.db"}, "error: no MLflow database at {cwd}/mlflow.db (tracking.uri "
+     "'sqlite:///mlflow.db'; a relative path is read from the directory the command runs in"),
+])
+def test_report_without_mlflow_records_says_why_and_writes_nothing(lake_with_run, tmp_path, capsys, monkeypatch,
+                                                                   tracking, expected):
+    overrides = ["run.run_id=r1"] + [f"tracking.{k}={v}" for k, v in tracking.items()]
+    (lake_with_run / "runs" / "r1" / "config.json").write_text(resolved_json(load_config(None, overrides)))
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert cli.main(["report", "r1", "--lake", str(lake_with_run), "--out", str(tmp_path / "rep")]) == 2
+    assert squash(expected.format(cwd=cwd)) in cli_stderr(capsys)
+    assert list(cwd.iterdir()) == []  # MLflow created an empty mlflow.db here before
+    assert not (tmp_path / "rep").exists()
+
+
+def test_report_with_an_unreachable_tracking_server_fails_in_seconds(lake_with_run, capsys, monkeypatch, caplog):
+    # urllib3's retry warnings reach the root logger, where an in-process flow of an earlier test left Prefect's
+    # console handler writing to that test's closed capture ("--- Logging error ---"); the CLI's own line is checked
+    caplog.set_level(logging.ERROR, logger="urllib3")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    config = load_config(None, ["run.run_id=r1", f"tracking.uri=http://127.0.0.1:{port}"])
+    (lake_with_run / "runs" / "r1" / "config.json").write_text(resolved_json(config))
+    assert cli.main(["report", "r1", "--lake", str(lake_with_run), "--out", "rep"]) == 2  # a traceback after ~4 min
+    assert squash(f"error: cannot read run r1's metrics from http://127.0.0.1:{port}") in cli_stderr(capsys)
+
+
 # ------------------------------------------------------------------------------------------------ serve
 
 
@@ -133,3 +226,17 @@ def test_train_of_an_existing_run_prints_one_line_not_prefects_traceback(lake_wi
     assert "Traceback" not in err and "Encountered exception" not in err
     assert squash(f"error: run r1 already exists in {lake_with_run}: continue it with `lockstep resume r1") in (
         squash(err))
+
+
+def test_output_cut_by_a_closed_pipe_ends_quietly(tmp_path):
+    # `lockstep audit ... | head`: the reader goes away while the CLI still writes; was a BrokenPipeError traceback
+    for i in range(3000):
+        (tmp_path / "lake" / "runs" / f"r{i:04d}").mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "runs", "--lake", str(tmp_path / "lake")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("r0000 ")
+    proc.stdout.close()  # what `head -1` does
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
