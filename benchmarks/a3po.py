@@ -24,33 +24,55 @@ machine).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from benchmarks.common import emit, work_dir
+from benchmarks.common import MAX_ITERATIONS, check_dir, check_range, check_unique, emit, parser, work_dir
 from benchmarks.pipeline import run, summarise
 
 METHODS = ("loglinear", "recompute")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--accuracy-iterations", type=int, default=120)
-    ap.add_argument("--accuracy-staleness", type=int, nargs="*", default=[2, 8])
-    ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--metrics-staleness", type=int, nargs="*", default=[])
-    ap.add_argument("--metrics-iterations", type=int, default=60)
+    ap = parser("benchmarks.a3po", __doc__)
+    ap.add_argument("--iterations", type=int, default=10, help="measured iterations per timing run, after the "
+                    "warm-up ones")
+    ap.add_argument("--warmup", type=int, default=2, help="iterations run first and left out of the timing figures")
+    ap.add_argument("--accuracy-iterations", type=int, default=120, help="iterations of each accuracy run")
+    ap.add_argument("--accuracy-staleness", type=int, nargs="*", default=[2, 8], help="staleness bounds of the "
+                    "accuracy runs (none: no accuracy runs)")
+    ap.add_argument("--skip-timing", action="store_true", help="only the accuracy and metrics runs")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run seeds of the accuracy and metrics "
+                    "runs")
+    ap.add_argument("--metrics-staleness", type=int, nargs="*", default=[], help="staleness bounds of the metrics-mode "
+                    "runs (none by default)")
+    ap.add_argument("--metrics-iterations", type=int, default=60, help="iterations of each metrics-mode run")
     ap.add_argument("--metrics-skip", type=int, default=10, help="first iterations left out of the metrics averages "
                     "(staleness still rising)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one); reusing one reuses the "
                     "cached bootstrap of each seed")
     args = ap.parse_args()
-    if args.metrics_staleness and not 0 <= args.metrics_skip < args.metrics_iterations:
+    check_range(ap, "--warmup", args.warmup, 0, MAX_ITERATIONS - 1)
+    check_range(ap, "--iterations", args.iterations, 1, MAX_ITERATIONS - args.warmup)  # a run is both
+    if not args.skip_timing and args.iterations + args.warmup < 3:
+        # replayed_train_steps needs an iteration after the warm-up ones at trainer version (= iteration) >= 2
+        ap.error(f"--iterations {args.iterations} with --warmup {args.warmup}: the replayed train steps need an "
+                 "iteration at trainer version 2 or later after the warm-up ones: --iterations + --warmup must be at "
+                 "least 3")
+    check_range(ap, "--accuracy-iterations", args.accuracy_iterations, 1, MAX_ITERATIONS)
+    check_range(ap, "--metrics-iterations", args.metrics_iterations, 1, MAX_ITERATIONS)
+    check_range(ap, "--metrics-skip", args.metrics_skip, 0)
+    if args.metrics_staleness and args.metrics_skip >= args.metrics_iterations:
         ap.error(f"--metrics-skip {args.metrics_skip} must be in [0, --metrics-iterations {args.metrics_iterations})")
+    for flag, values, hi in (("--accuracy-staleness", args.accuracy_staleness, None),
+                             ("--metrics-staleness", args.metrics_staleness, None),
+                             ("--seeds", args.seeds, 2**32 - 1)):  # run.seed's bound
+        for v in values:
+            check_range(ap, flag, v, 0, hi)
+        check_unique(ap, flag, values)
+    if args.skip_timing and not args.accuracy_staleness and not args.metrics_staleness:
+        ap.error("--skip-timing with no --accuracy-staleness and no --metrics-staleness bound: nothing to run")
+    check_dir(ap, args.dir)
     total = args.iterations + args.warmup
     stamp = time.strftime("%Y%m%d%H%M%S")  # run ids stay unique in a reused directory
     with work_dir(args.dir) as tmp:

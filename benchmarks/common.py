@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -20,6 +21,41 @@ def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> 
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+MAX_ITERATIONS = 100_000  # configs.schema RunSection.iterations' bound
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """An argument parser whose --help is the module docstring: what the benchmark measures and prints."""
+    return argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def check_range(ap: argparse.ArgumentParser, flag: str, value: int, lo: int, hi: int | None = None) -> None:
+    """A usage error (exit 2) naming `flag` unless lo <= value <= hi, so a bad number stops before any work."""
+    if value < lo or (hi is not None and value > hi):
+        ap.error(f"{flag} {value}: must be at least {lo}" if hi is None else f"{flag} {value}: must be in [{lo}, {hi}]")
+
+
+def check_unique(ap: argparse.ArgumentParser, flag: str, values: list[int]) -> None:
+    """A usage error unless each value is given once: each names a run, and a repeated run id fails after hours."""
+    if len(set(values)) < len(values):
+        ap.error(f"{flag} {' '.join(map(str, values))}: give each value once")
+
+
+def check_dir(ap: argparse.ArgumentParser, path: str | None) -> None:
+    """Create `--dir` now, so a path that cannot be a work directory is a usage error before any work."""
+    if path is None:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        ap.error(f"--dir {path}: exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--dir {path}: cannot create {e.filename or path}: {e.strerror or e}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        ap.error(f"--dir {path}: not writable")
 
 
 @contextlib.contextmanager

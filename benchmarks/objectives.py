@@ -9,14 +9,16 @@ Target: loglinear < 1% of the forward.
 
 from __future__ import annotations
 
-import torch
-
-from benchmarks.common import demo_model_and_groups, emit, median_time
-from models import objectives
-from models.packing import Group, pack, packed_logits, token_logprobs
+from benchmarks.common import demo_model_and_groups, emit, median_time, parser
 
 
 def main() -> None:
+    parser("benchmarks.objectives", __doc__).parse_args()
+    import torch  # after parsing: --help and a bad flag answer without seconds of imports
+
+    from models import objectives
+    from models.packing import Group, pack, packed_logits, token_logprobs
+
     torch.set_num_threads(1)
     model, tok, ids, groups = demo_model_and_groups(n_groups=8, group_size=8)
     packed = pack([Group(p, [s.response_ids for s in g]) for p, g in zip(ids, groups)], tok.pad_token_id, True)

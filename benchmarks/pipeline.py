@@ -17,14 +17,13 @@ minutes, which a single sync-then-periodic pair would read as a difference betwe
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import yaml
 
-from benchmarks.common import emit, work_dir
+from benchmarks.common import MAX_ITERATIONS, check_dir, check_range, emit, parser, work_dir
 
 
 def run(tmp: str, name: str, overrides: dict, iterations: int, full: bool = False) -> list[dict] | dict:
@@ -60,15 +59,19 @@ def summarise(mode: str, history: list[dict], warmup: int, **extra) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iterations", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap = parser("benchmarks.pipeline", __doc__)
+    ap.add_argument("--iterations", type=int, default=8, help="measured iterations per run, after the warm-up ones")
+    ap.add_argument("--warmup", type=int, default=2, help="iterations run first and left out of the figures")
     ap.add_argument("--repeats", type=int, default=2, help="runs per mode (ABBA order)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one); reusing one reuses the "
                     "cached bootstrap")
     ap.add_argument("--skip-extras", action="store_true", help="only sync vs periodic: no shared-prompt on/off, no "
                     "1 vs 2 workers")
     args = ap.parse_args()
+    check_range(ap, "--warmup", args.warmup, 0, MAX_ITERATIONS - 1)
+    check_range(ap, "--iterations", args.iterations, 1, MAX_ITERATIONS - args.warmup)  # a run is both
+    check_range(ap, "--repeats", args.repeats, 1)
+    check_dir(ap, args.dir)
     cores = os.cpu_count() or 2
     total = args.iterations + args.warmup
     stamp = time.strftime("%Y%m%d%H%M%S")  # run ids stay unique in a reused directory

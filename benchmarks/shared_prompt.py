@@ -19,9 +19,10 @@ One JSON line per grid point P (prompt tokens) in {128, 512, 1024}, R (tokens pe
 
 Every measurement (the timing of a point, and each layout's memory) runs in its own process forked from a fork server
 that imported torch and transformers once, and never from this process, which never runs a model: the processes are
-fresh, without paying ~5 s of imports 36 times. One at a time, each with 2 torch threads (the machine's cores).
+fresh, without paying ~5 s of imports 36 times. One at a time, each with `--threads` torch threads (default 2: this
+machine's cores).
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.shared_prompt
+    PYTHONPATH=. .venv/bin/python -m benchmarks.shared_prompt [--threads 2]
 """
 
 from __future__ import annotations
@@ -30,12 +31,11 @@ import multiprocessing as mp
 import resource
 import statistics
 
-from benchmarks.common import emit, median_time
+from benchmarks.common import check_range, emit, median_time, parser
 
 GRID_P = (128, 512, 1024)
 GRID_R = (16, 64)
 GRID_G = (4, 16)
-THREADS = 2
 MAX_POSITIONS = 2048  # P + R reaches 1088 > the demo model's default 1024
 
 
@@ -43,7 +43,7 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports kilobytes
 
 
-def _setup(P: int, R: int, G: int):
+def _setup(P: int, R: int, G: int, threads: int):
     """The demo model (train mode) and one random group of G responses of R tokens after a P-token prompt, packed
     both ways, with the train step of each layout."""
     import torch
@@ -52,7 +52,7 @@ def _setup(P: int, R: int, G: int):
     from models.packing import Group, pack, packed_logits, token_logprobs
     from models.tiny import build_char_tokenizer, build_tiny_model
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     tok = build_char_tokenizer()
     m = Config().model.tiny
     model = build_tiny_model(
@@ -84,14 +84,14 @@ def _setup(P: int, R: int, G: int):
     return {shared: (train_step(p), p.num_tokens) for shared, p in packs.items()}
 
 
-def _time_point(P: int, R: int, G: int, repeats: int) -> dict:
+def _time_point(P: int, R: int, G: int, threads: int, repeats: int) -> dict:
     """Train-step times of both layouts, interleaved (u, s, u, s, ...) in one process after one warm-up step each.
 
     Interleaving, rather than `median_time` on one layout then the other, makes both layouts see the same background
     load: this machine is shared, and its load moved single medians by 2x between runs. Each timed call still goes
     through `median_time` (one repeat, no warm-up) so the clock is the same as every other benchmark's.
     """
-    steps = _setup(P, R, G)
+    steps = _setup(P, R, G, threads)
     for step, _ in steps.values():
         median_time(step, repeats=1, warmup=0)  # warm-up: allocator, first-call paths
     times = {False: [], True: []}
@@ -101,9 +101,9 @@ def _time_point(P: int, R: int, G: int, repeats: int) -> dict:
     return {"times": times, "tokens": {k: n for k, (_, n) in steps.items()}}
 
 
-def _peak_rss(P: int, R: int, G: int, shared: bool) -> tuple[float, float]:
+def _peak_rss(P: int, R: int, G: int, threads: int, shared: bool) -> tuple[float, float]:
     """(base, peak) RSS in MB of a fresh process: after building and packing, and after one train step of `shared`."""
-    steps = _setup(P, R, G)
+    steps = _setup(P, R, G, threads)
     base = _rss_mb()
     steps[shared][0]()
     return base, _rss_mb()
@@ -114,6 +114,10 @@ def _repeats(P: int, R: int, G: int) -> int:
 
 
 def main() -> None:
+    ap = parser("benchmarks.shared_prompt", __doc__)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of each measurement process")
+    args = ap.parse_args()
+    check_range(ap, "--threads", args.threads, 1)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
         [
@@ -132,11 +136,11 @@ def main() -> None:
             for G in GRID_G:
                 n = _repeats(P, R, G)
                 with ctx.Pool(1, maxtasksperchild=1) as pool:  # a fresh process per measurement
-                    timing = pool.apply(_time_point, (P, R, G, n))
+                    timing = pool.apply(_time_point, (P, R, G, args.threads, n))
                 rss = {}
                 for shared in (False, True):
                     with ctx.Pool(1, maxtasksperchild=1) as pool:
-                        rss[shared] = pool.apply(_peak_rss, (P, R, G, shared))
+                        rss[shared] = pool.apply(_peak_rss, (P, R, G, args.threads, shared))
                 t_u, t_s = (statistics.median(timing["times"][k]) for k in (False, True))
                 pairs = [u / s for u, s in zip(timing["times"][False], timing["times"][True], strict=True)]
                 ideal = G * (P + R) / (P + G * R)
@@ -161,7 +165,7 @@ def main() -> None:
                     base_rss_mb_shared=round(rss[True][0], 1),
                     base_rss_mb_unshared=round(rss[False][0], 1),
                     repeats=n,
-                    threads=THREADS,
+                    threads=args.threads,
                 )
     ideal, speedup = results[(1024, 16, 16)]
     emit(
