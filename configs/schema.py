@@ -403,9 +403,10 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML file (or start from defaults when path is None), apply overrides, validate."""
-    source = str(path) if path is not None else "(defaults)"
+def load_config(path: str | Path | None, overrides: list[str] | None = None, source: str | None = None) -> Config:
+    """Read a YAML file (or start from defaults when path is None), apply overrides, validate. Errors name `source`
+    (default: the path), e.g. a run's config.json in the lake when `path` is a local copy of it."""
+    source = source or (str(path) if path is not None else "(defaults)")
     data: Any = {}
     if path is not None:
         p = Path(path)

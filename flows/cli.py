@@ -112,12 +112,12 @@ class _Progress:
         self.progress.stop()
 
 
-def _run_flow(console, config_path: str, overrides: list[str], resume: bool) -> int:
+def _run_flow(console, config_path: str, overrides: list[str], resume: bool, source: str | None = None) -> int:
     from configs.schema import ConfigError, load_config
     from tasks.preflight import check_inputs
 
     try:
-        cfg = load_config(config_path, overrides)  # fail fast, before Prefect or any work starts
+        cfg = load_config(config_path, overrides, source)  # fail fast, before Prefect or any work starts
         if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
             check_inputs(cfg)  # the model and dataset it names exist and read
     except ConfigError as e:
@@ -189,7 +189,7 @@ def cmd_resume(args) -> int:
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
         f.write(frozen)  # JSON is YAML: the frozen config loads through the same validation
     try:
-        return _run_flow(console, f.name, [f"lake.uri={args.lake}"], resume=True)
+        return _run_flow(console, f.name, [f"lake.uri={args.lake}"], resume=True, source=path)
     finally:
         os.unlink(f.name)
 

@@ -240,3 +240,19 @@ def test_output_cut_by_a_closed_pipe_ends_quietly(tmp_path):
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+@pytest.mark.parametrize("frozen, expected", [
+    ('{"run": {"run_id": "r1", "iterations": 0}}', "run.iterations: Input should be greater than or equal to 1"),
+    ('{"run": ', "is not valid YAML"),
+])
+def test_resume_of_a_bad_frozen_config_names_the_file_in_the_lake(lake_with_run, capsys, frozen, expected):
+    config = lake_with_run / "runs" / "r1" / "config.json"
+    config.write_text(frozen)
+    assert cli.main(["resume", "r1", "--lake", str(lake_with_run)]) == 2
+    err = cli_stderr(capsys)
+    assert squash(f"{config}") in err and squash(expected) in err  # it named the temporary copy the CLI loads
+    assert "/tmp" not in err.replace(str(lake_with_run), "")
