@@ -134,11 +134,12 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     progress = _Progress(console)
     train_mod.progress_hook = progress
     t0 = time.perf_counter()
-    input_errors = (RunExistsError, FileNotFoundError, ConfigError, DatasetError, ModelDirError)
+    input_errors = (RunExistsError, ConfigError, DatasetError, ModelDirError)
     try:
         with _reported_by_cli(*input_errors):
             summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
-    except (*input_errors, CheckpointError) as e:  # CheckpointError: a damaged lake; Prefect logs its traceback
+    except (*input_errors, FileNotFoundError, CheckpointError) as e:  # these two can also come from a bug or a
+        # damaged lake: Prefect's log keeps their traceback
         # input errors the flow finds only as it reads them: a dataset's rows, the run to resume
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
@@ -229,7 +230,8 @@ def cmd_replay(args) -> int:
 
 
 def _unbalanced(sql: str) -> str | None:
-    """Why a SQL filter's parentheses do not pair up outside its quoted strings and names, or None if they do.
+    """Why a SQL filter's parentheses do not pair up outside its quoted strings and names (or it holds a comment,
+    which could hide one from this count), or None if they do.
 
     `--where` is combined with `--version` as `(WHERE) AND policy_version = V`: an unpaired `)` would close the
     wrapper and OR past the version filter."""
@@ -237,6 +239,8 @@ def _unbalanced(sql: str) -> str | None:
     for i, c in enumerate(sql):
         if quote:
             quote = None if c == quote else quote  # a doubled quote ('it''s') closes and reopens: same result
+        elif sql.startswith(("--", "/*"), i):  # a comment could hide a parenthesis from this count
+            return f"comments ({sql[i:i + 2]} at character {i + 1}) are not accepted"
         elif c in "'\"`":
             quote = c
         elif c == "(":
@@ -338,7 +342,8 @@ def cmd_runs(args) -> int:
         try:
             records = ledger.read_all(lake, run_id)
             version = checkpoints.promoted_version(lake, run_id)
-        except (ValueError, checkpoints.CheckpointError) as e:  # a ledger record that is not JSON: ValueError
+        except (ValueError, OSError, checkpoints.CheckpointError) as e:  # a ledger record that is not JSON or not a
+            # record: ValueError; a folder where a file should be: OSError
             print(f"{run_id:40s} {'damaged':24s} {e}")
             continue
         done = lake.fs.exists(f"{path}/summary.json")
@@ -535,9 +540,24 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except BrokenPipeError:  # `lockstep audit ... | head` closed the pipe: the rest of the output is not wanted
+    except BrokenPipeError:
+        if not _stdout_closed():  # another pipe or socket: a real error
+            raise
+        # `lockstep audit ... | head` closed the pipe: the rest of the output is not wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
         return 1
+
+
+def _stdout_closed() -> bool:
+    """Whether the reader of stdout went away (a pipe whose read end is closed reports POLLERR)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no stdout file descriptor (replaced, closed)
+        return False
 
 
 def run() -> None:

@@ -305,28 +305,38 @@ def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
 
 def export_hf(lake: Lake, path: str, out_dir: str) -> str:
     """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) to a local directory, without the
-    trainer state; every file is checked against the manifest on the way."""
+    trainer state; every file is checked against the manifest on the way.
+
+    The files are written to a hidden folder and moved into place when all are written, so a failed export (disk
+    full, a quota) leaves no directory that looks like a model: for a new target the folder is beside it and
+    renamed to it; an existing empty target (a mount point, a symlink, the working directory: it cannot be
+    replaced) holds the folder, whose files are moved up, and stays empty on failure."""
     verify_checkpoint(lake, path)
     manifest = read_json(lake, f"{path}/MANIFEST.json")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out_dir} is a file; choose a new directory")
-    if out.exists() and any(out.iterdir()):
+    existing = out.exists()
+    if existing and any(out.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # written beside the target and renamed into place when complete: a failed export (disk full, a quota) leaves
-    # no directory that looks like a model
-    tmp = out.parent / f".{out.name}.{os.getpid()}-{time.time_ns()}.partial"
-    tmp.mkdir()
+    stage_name = f".{out.name}.{os.getpid()}-{time.time_ns()}.partial"
+    stage = out / stage_name if existing else out.parent / stage_name
+    stage.mkdir()
     try:
         for rel in manifest:
             if rel.startswith("trainer_state/"):
                 continue
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (stage / rel).parent.mkdir(parents=True, exist_ok=True)
             with lake.fs.open(f"{path}/{rel}", "rb") as f:
-                (tmp / rel).write_bytes(f.read())
-        os.replace(tmp, out)  # replaces an empty target directory too
+                (stage / rel).write_bytes(f.read())
+        if existing:
+            for entry in stage.iterdir():
+                os.replace(entry, out / entry.name)
+            stage.rmdir()
+        else:
+            os.replace(stage, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(stage, ignore_errors=True)
         raise
     return str(out)

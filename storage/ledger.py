@@ -59,4 +59,11 @@ def read_all(lake: Lake, run_id: str) -> list[dict]:
     d = f"{lake.run_dir(run_id)}/ledger"
     if not lake.fs.exists(d):
         return []
-    return [read_json(lake, p) for p in sorted(lake.fs.ls(d, detail=False)) if p.endswith(".json")]
+    records = []
+    for p in sorted(lake.fs.ls(d, detail=False)):
+        if p.endswith(".json"):
+            record = read_json(lake, p)
+            if not isinstance(record, dict) or "state" not in record:
+                raise ValueError(f"{p} is not a ledger record (a JSON object with a 'state')")
+            records.append(record)
+    return records

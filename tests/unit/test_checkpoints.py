@@ -266,6 +266,23 @@ def test_a_failed_export_leaves_no_directory(tiny_hf, lake, tmp_path, monkeypatc
         export_hf(lake, path, str(out / "model.safetensors"))
 
 
+def test_export_into_an_empty_directory_that_cannot_be_replaced(tiny_hf, lake, tmp_path, monkeypatch):
+    # a symlink to an empty directory, and the working directory: a rename onto them fails (NotADirectoryError,
+    # EBUSY) or swaps the directory out from under the process, so the files are moved into them instead
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    files = sorted(p.name for p in Path(path).iterdir() if p.name not in ("trainer_state", "MANIFEST.json"))
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    export_hf(lake, path, str(tmp_path / "link"))
+    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in (tmp_path / "real").iterdir()) == files
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    export_hf(lake, path, ".")
+    assert sorted(os.listdir(".")) == files  # the process's directory, not one renamed over it
+    assert AutoModelForCausalLM.from_pretrained(str(cwd)) is not None
+
+
 def test_promote_of_missing_version_fails(tiny_hf, lake):
     with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
         promote(lake, RUN, 7)

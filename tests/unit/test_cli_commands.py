@@ -91,6 +91,9 @@ def test_audit_refuses_a_negative_limit_and_a_run_without_catalog(lake_with_run,
     ("reward >= 0) OR (reward > 5", "the ')' at character 12 closes nothing"),  # escaped the version filter
     ("(reward > 0", "1 '(' not closed"),
     ("finish_reason = 'stop", "a ' string is not closed"),
+    # a comment hid a ')' from the count and escaped the version filter
+    ("reward > 0 /* ( */ ) OR (reward > 0.4 /* ) */", "comments (/* at character 12) are not accepted"),
+    ("reward > 0 -- (", "comments (-- at character 12) are not accepted"),
 ])
 def test_audit_refuses_a_filter_that_would_escape_the_version_filter(lake_with_run, capsys, where, why):
     assert cli.main(["audit", "r1", "--lake", str(lake_with_run), "--version", "1", "--where", where]) == 2
@@ -116,10 +119,20 @@ def test_runs_lists_damaged_runs_and_skips_what_is_not_a_run(lake_with_run, caps
     (runs / "c1" / "checkpoints").mkdir()
     (runs / "c1" / "checkpoints" / "PROMOTED").write_text('{"v": 1}')
     (runs / "README.txt").write_text("notes")
+    for name, damage in (("d1", "ledger"), ("e1", "promoted")):
+        (runs / name / "checkpoints").mkdir(parents=True)
+        (runs / name / "config.json").write_text("{}")
+        if damage == "ledger":  # JSON, but not a record
+            (runs / name / "ledger").mkdir()
+            (runs / name / "ledger" / "iter-000000.json").write_text("[1]")
+        else:  # a folder where PROMOTED should be
+            (runs / name / "checkpoints" / "PROMOTED").mkdir()
     assert cli.main(["runs", "--lake", str(lake_with_run)]) == 0  # one bad entry used to end the listing
     out = capsys.readouterr()
     lines = {line.split()[0]: line for line in out.out.splitlines()}
-    assert sorted(lines) == ["b1", "c1", "r1"]  # README.txt was listed as a run, "my run" crashed the listing
+    assert sorted(lines) == ["b1", "c1", "d1", "e1", "r1"]  # README.txt was listed as a run, "my run" crashed it
+    assert "damaged" in lines["d1"] and "iter-000000.json is not a ledger record" in lines["d1"]
+    assert "damaged" in lines["e1"] and "Is a directory" in lines["e1"]
     assert "damaged" in lines["b1"] and f"{runs}/b1/ledger/iter-000000.json is not valid JSON" in lines["b1"]
     assert "damaged" in lines["c1"] and "PROMOTED is damaged (KeyError: 'version')" in lines["c1"]
     assert "stopped (created)" in lines["r1"] and "version None" in lines["r1"]
@@ -256,3 +269,13 @@ def test_resume_of_a_bad_frozen_config_names_the_file_in_the_lake(lake_with_run,
     err = cli_stderr(capsys)
     assert squash(f"{config}") in err and squash(expected) in err  # it named the temporary copy the CLI loads
     assert "/tmp" not in err.replace(str(lake_with_run), "")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
+    # only a closed stdout ends quietly; a BrokenPipeError of a socket or another pipe keeps its traceback
+    def runs(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "cmd_runs", runs)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["runs"])
