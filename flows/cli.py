@@ -138,9 +138,9 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     try:
         with _reported_by_cli(*input_errors):
             summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
-    except (*input_errors, FileNotFoundError, CheckpointError) as e:  # these two can also come from a bug or a
-        # damaged lake: Prefect's log keeps their traceback
-        # input errors the flow finds only as it reads them: a dataset's rows, the run to resume
+    except (*input_errors, FileNotFoundError, CheckpointError) as e:  # input errors the flow finds only as it reads
+        # them (a dataset's rows, the run to resume); the last two can also come from a bug or a damaged lake, so
+        # Prefect's log keeps their traceback
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
     except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C, or SIGTERM (see _interrupt_on_sigterm): the flow has
@@ -176,12 +176,12 @@ def cmd_resume(args) -> int:
 
     from rich.console import Console
 
-    from storage.lake import Lake, validate_run_id
+    from storage.lake import Lake
 
     console = Console(stderr=True, soft_wrap=True)
+    lake = Lake(args.lake)
     try:
-        lake = Lake(args.lake)
-        path = f"{lake.run_dir(validate_run_id(args.run_id))}/config.json"
+        path = _run_config_path(lake, args.run_id)
         with lake.fs.open(path, "rb") as f:
             frozen = f.read()
     except (ValueError, FileNotFoundError) as e:
@@ -195,24 +195,21 @@ def cmd_resume(args) -> int:
         os.unlink(f.name)
 
 
-def _run_config_path(lake_uri: str, run_id: str) -> str:
+def _run_config_path(lake, run_id: str) -> str:
     """The frozen config of a run, which every run in a lake has from its start; FileNotFoundError if absent."""
-    from storage.lake import Lake
-
-    lake = Lake(lake_uri)
     path = f"{lake.run_dir(run_id)}/config.json"  # run_dir validates the id (ValueError)
     if not lake.fs.exists(path):
-        raise FileNotFoundError(f"run {run_id} does not exist in lake {lake_uri} ({path} is missing); "
-                                f"`lockstep runs --lake {lake_uri}` lists its runs")
+        raise FileNotFoundError(f"run {run_id} does not exist in lake {lake.uri} ({path} is missing); "
+                                f"`lockstep runs --lake {lake.uri}` lists its runs")
     return path
 
 
 def cmd_replay(args) -> int:
     """Retrain from stored shards only and print, per version, the max abs parameter difference."""
-    from storage.lake import validate_run_id
+    from storage.lake import Lake, validate_run_id
 
     try:
-        _run_config_path(args.lake, args.run_id)  # checked before the flow starts Prefect
+        _run_config_path(Lake(args.lake), args.run_id)  # checked before the flow starts Prefect
         if args.to is not None:
             validate_run_id(args.to)
         from flows.replay import replay_flow
@@ -264,8 +261,9 @@ def cmd_audit(args) -> int:
     from storage import catalog
     from storage.lake import Lake
 
+    lake = Lake(args.lake)
     try:
-        _run_config_path(args.lake, args.run_id)  # before LanceDB, which would create the catalog folder
+        _run_config_path(lake, args.run_id)  # before LanceDB, which would create the catalog folder
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -275,7 +273,6 @@ def cmd_audit(args) -> int:
     if args.where is not None and (why := _unbalanced(args.where)):
         print(f"error: --where {args.where!r}: {why}", file=sys.stderr)
         return 2
-    lake = Lake(args.lake)
     uri = catalog.catalog_uri(lake, args.run_id)
     if uri is None:
         print(f"error: lake {args.lake} has no catalog (LanceDB needs a local or object-store lake)", file=sys.stderr)
@@ -347,7 +344,7 @@ def cmd_runs(args) -> int:
             print(f"{run_id:40s} {'damaged':24s} {e}")
             continue
         done = lake.fs.exists(f"{path}/summary.json")
-        last = records[-1].get("state", "unknown") if records else "created"
+        last = records[-1]["state"] if records else "created"
         state = "finished" if done else ("failed" if last == "failed" else f"stopped ({last})")
         print(f"{run_id:40s} {state:24s} version {version}")
     return 0
@@ -367,7 +364,7 @@ def cmd_export(args) -> int:
 
     lake = Lake(args.lake)
     try:
-        _run_config_path(args.lake, args.run_id)
+        _run_config_path(lake, args.run_id)
         if args.version is not None and args.version < 0:
             raise ValueError(f"--version {args.version}: versions start at 0")
         version = args.version if args.version is not None else checkpoints.promoted_version(lake, args.run_id)
@@ -405,13 +402,13 @@ def cmd_report(args) -> int:
 
     from configs.schema import Config
     from flows.report import render, run_metrics
+    from storage.lake import Lake, read_json
 
+    lake = Lake(args.lake)
     try:
-        config_path = _run_config_path(args.lake, args.run_id)
-        from storage.lake import Lake, read_json
-
+        config_path = _run_config_path(lake, args.run_id)
         try:
-            cfg = Config.model_validate(read_json(Lake(args.lake), config_path))
+            cfg = Config.model_validate(read_json(lake, config_path))
         except (ValueError, ValidationError) as e:  # not JSON, or not a config
             raise ValueError(f"{config_path} is not a valid run config: {e}") from None
         if not cfg.tracking.enabled:

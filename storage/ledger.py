@@ -50,20 +50,20 @@ def annotate(lake: Lake, run_id: str, iteration: int, **fields) -> dict:
     return record
 
 
+def _read(lake: Lake, path: str) -> dict:
+    record = read_json(lake, path)
+    if not isinstance(record, dict) or "state" not in record:
+        raise ValueError(f"{path} is not a ledger record (a JSON object with a 'state')")
+    return record
+
+
 def read_record(lake: Lake, run_id: str, iteration: int) -> dict | None:
     path = lake.ledger_file(run_id, iteration)
-    return read_json(lake, path) if lake.fs.exists(path) else None
+    return _read(lake, path) if lake.fs.exists(path) else None
 
 
 def read_all(lake: Lake, run_id: str) -> list[dict]:
     d = f"{lake.run_dir(run_id)}/ledger"
     if not lake.fs.exists(d):
         return []
-    records = []
-    for p in sorted(lake.fs.ls(d, detail=False)):
-        if p.endswith(".json"):
-            record = read_json(lake, p)
-            if not isinstance(record, dict) or "state" not in record:
-                raise ValueError(f"{p} is not a ledger record (a JSON object with a 'state')")
-            records.append(record)
-    return records
+    return [_read(lake, p) for p in sorted(lake.fs.ls(d, detail=False)) if p.endswith(".json")]

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -180,7 +181,9 @@ def test_report_with_an_unreachable_tracking_server_fails_in_seconds(lake_with_r
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     config = load_config(None, ["run.run_id=r1", f"tracking.uri=http://127.0.0.1:{port}"])
     (lake_with_run / "runs" / "r1" / "config.json").write_text(resolved_json(config))
+    t0 = time.monotonic()
     assert cli.main(["report", "r1", "--lake", str(lake_with_run), "--out", "rep"]) == 2  # a traceback after ~4 min
+    assert time.monotonic() - t0 < 60  # 2 retries (~7 s here); MLflow's default 7 took ~4 minutes
     assert squash(f"error: cannot read run r1's metrics from http://127.0.0.1:{port}") in cli_stderr(capsys)
 
 
