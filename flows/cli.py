@@ -25,6 +25,7 @@ def _quiet_environment() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("LANCEDB_LOG", "error")  # not "WARN No existing dataset" when the catalog is created
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # not "INFO ... Creating initial MLflow database tables"
 
 
 class _DropReported(logging.Filter):
@@ -114,12 +115,13 @@ class _Progress:
 
 def _run_flow(console, config_path: str, overrides: list[str], resume: bool, source: str | None = None) -> int:
     from configs.schema import ConfigError, load_config
-    from tasks.preflight import check_inputs
+    from tasks.preflight import check_inputs, check_prefect_api
 
     try:
         cfg = load_config(config_path, overrides, source)  # fail fast, before Prefect or any work starts
         if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
             check_inputs(cfg)  # the model and dataset it names exist and read
+        check_prefect_api()  # the tracking store is checked by the flow, before it writes the run
     except ConfigError as e:
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
@@ -207,16 +209,18 @@ def _run_config_path(lake, run_id: str) -> str:
 def cmd_replay(args) -> int:
     """Retrain from stored shards only and print, per version, the max abs parameter difference."""
     from storage.lake import Lake, validate_run_id
+    from tasks.preflight import check_prefect_api
 
     try:
         _run_config_path(Lake(args.lake), args.run_id)  # checked before the flow starts Prefect
         if args.to is not None:
             validate_run_id(args.to)
+        check_prefect_api()
         from flows.replay import replay_flow
 
         with _reported_by_cli(FileExistsError):  # --to names an existing run; other errors keep their traceback
             rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # a ConfigError is a ValueError
         print(f"error: cannot replay {args.run_id!r}: {e}", file=sys.stderr)
         return 2
     for r in rows:
@@ -439,17 +443,22 @@ def cmd_report(args) -> int:
 
 def cmd_serve(args) -> int:
     """Publish `train_flow` as a deployment on the Prefect server and run what the UI triggers or schedules."""
+    from prefect.settings import PREFECT_API_URL
+
     from configs.schema import ConfigError, load_config
-    from tasks.preflight import check_inputs
+    from tasks.preflight import check_inputs, check_prefect_api, check_tracking
 
     try:  # the deployment's default parameters: a bad config would fail every triggered run
-        check_inputs(load_config(args.config, args.override))
+        cfg = load_config(args.config, args.override)
+        check_inputs(cfg)
+        if not PREFECT_API_URL.value():
+            print("error: lockstep serve needs a Prefect server: run `make services`, then "
+                  "export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+            return 2
+        check_prefect_api()
+        check_tracking(cfg)  # last: it creates a SQLite store
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not os.environ.get("PREFECT_API_URL"):
-        print("error: lockstep serve needs a Prefect server: run `make services`, then "
-              "export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
         return 2
     import httpx
 
@@ -461,7 +470,7 @@ def cmd_serve(args) -> int:
         train_flow.serve(name=args.name, parameters={"config_path": config, "overrides": args.override},
                          cron=args.cron, print_starting_message=False)
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-        print(f"error: the Prefect API at PREFECT_API_URL={os.environ['PREFECT_API_URL']} is unreachable ({e}); "
+        print(f"error: the Prefect API at PREFECT_API_URL={PREFECT_API_URL.value()} is unreachable ({e}); "
               "start it with `make services`, or fix PREFECT_API_URL", file=sys.stderr)
         return 2
     return 0

@@ -21,21 +21,53 @@ wait_http() {  # url, seconds
   return 1
 }
 
-start() {
-  if [ -f "$STATE/prefect.pid" ] && kill -0 "$(cat "$STATE/prefect.pid")" 2>/dev/null; then
-    echo "services already running (infra/services.sh stop first)"; return 0
+running() {  # name
+  [ -f "$STATE/$1.pid" ] && kill -0 "$(cat "$STATE/$1.pid")" 2>/dev/null
+}
+
+port_free() {  # port: nothing listens on it
+  ! "$BIN/python" -c "import socket,sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=2).close()" \
+    "$1" 2>/dev/null
+}
+
+launch() {  # name, command...: start a service unless it is running
+  local name=$1
+  shift
+  if running "$name"; then
+    echo "$name already running (pid $(cat "$STATE/$name.pid"))"; return 0
   fi
+  setsid nohup "$@" > "$STATE/$name.log" 2>&1 &
+  echo $! > "$STATE/$name.pid"
+}
+
+ready() {  # name, url: wait for the service to answer; if it does not, show its log and stop what was started
+  if ! wait_http "$2" 120; then
+    echo "--- last lines of $STATE/$1.log:" >&2
+    tail -n 20 "$STATE/$1.log" >&2
+    stop >&2
+    return 1
+  fi
+}
+
+start() {
+  local name port var
+  for spec in "prefect $PREFECT_PORT PREFECT_PORT" "mlflow $MLFLOW_PORT MLFLOW_PORT"; do  # before starting either
+    read -r name port var <<< "$spec"
+    if ! running "$name" && ! port_free "$port"; then
+      echo "port $port ($name) is in use by another program: stop it, or choose another port" \
+        "($var=$((port + 1)) $0 start)" >&2
+      return 1
+    fi
+  done
   PREFECT_HOME="$STATE/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 \
     PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$STATE/prefect.db" \
-    setsid nohup "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT" --analytics-off \
-    > "$STATE/prefect.log" 2>&1 &
-  echo $! > "$STATE/prefect.pid"
-  MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false setsid nohup "$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" \
-    --backend-store-uri "sqlite:///$STATE/mlflow.db" --default-artifact-root "$STATE/mlartifacts" --workers 1 \
-    > "$STATE/mlflow.log" 2>&1 &
-  echo $! > "$STATE/mlflow.pid"
-  wait_http "http://127.0.0.1:$PREFECT_PORT/api/health" 120
-  wait_http "http://127.0.0.1:$MLFLOW_PORT/health" 120
+    launch prefect \
+    "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT" --analytics-off
+  MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false launch mlflow \
+    "$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" \
+    --backend-store-uri "sqlite:///$STATE/mlflow.db" --default-artifact-root "$STATE/mlartifacts" --workers 1
+  ready prefect "http://127.0.0.1:$PREFECT_PORT/api/health"
+  ready mlflow "http://127.0.0.1:$MLFLOW_PORT/health"
   echo "Prefect UI and API: http://127.0.0.1:$PREFECT_PORT   (export PREFECT_API_URL=http://127.0.0.1:$PREFECT_PORT/api)"
   echo "MLflow UI:          http://127.0.0.1:$MLFLOW_PORT   (-o tracking.uri=http://127.0.0.1:$MLFLOW_PORT)"
 }
@@ -55,7 +87,7 @@ stop() {
 
 status() {
   for name in prefect mlflow; do
-    if [ -f "$STATE/$name.pid" ] && kill -0 "$(cat "$STATE/$name.pid")" 2>/dev/null; then
+    if running "$name"; then
       echo "$name: running (pid $(cat "$STATE/$name.pid"))"
     else
       echo "$name: stopped"
@@ -63,4 +95,7 @@ status() {
   done
 }
 
-"${1:-status}"
+case "${1:-status}" in
+  start|stop|status) "${1:-status}" ;;
+  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+esac

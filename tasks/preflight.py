@@ -1,9 +1,12 @@
-"""Pre-flight checks of what a config points at: the model (`model.path`) and the prompt dataset.
+"""Pre-flight checks of what a config points at: the model (`model.path`), the prompt dataset, and the servers a run
+talks to (the Prefect API, the MLflow tracking store).
 
 `check_inputs` runs after the config has validated and before any work (no weights loaded, no lake, Prefect or
 MLflow touched), so that a wrong path fails at `lockstep train` with the field, the value and what to do, not
 minutes later as a transformers or fsspec traceback inside the flow. Sizes the config alone decides (arithmetic
-splits against the batch) are checked by `Config` itself.
+splits against the batch) are checked by `Config` itself. `check_prefect_api` runs before a flow starts (the CLI),
+`check_tracking` before the run is written and the bootstrap's minutes are spent (`open_session`): an MLflow server
+that is down was found only after the bootstrap, then retried for minutes.
 """
 
 from __future__ import annotations
@@ -77,3 +80,59 @@ def check_inputs(cfg: Config) -> None:
         check_model_path(cfg.model.path)
     if cfg.task.kind == "dataset":
         check_dataset(cfg)
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def check_prefect_api() -> None:
+    """When runs go to a Prefect server (PREFECT_API_URL, from the environment or the Prefect profile), it answers as
+    a Prefect API. Without one, each run starts a temporary local server: nothing to check."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.api_version()  # the call Prefect's own version check makes first; JSON only from a Prefect API
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
+        raise InputError(f"PREFECT_API_URL={url!r} is not an http(s) URL ({_first_line(e)}): give the API's URL, "
+                         "e.g. http://127.0.0.1:4200/api, or unset it to run on a temporary local Prefect server"
+                         ) from None
+    except httpx.TransportError as e:  # refused, timed out, a name that does not resolve
+        raise InputError(f"the Prefect API at PREFECT_API_URL={url} is unreachable ({_first_line(e)}): start it "
+                         "with `make services`, fix PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), or unset it to "
+                         "run on a temporary local Prefect server") from None
+    except Exception as e:  # an HTTP error status, or a page that is not JSON
+        raise InputError(f"PREFECT_API_URL={url} is not a Prefect API ({_first_line(e)}): give the API's URL, e.g. "
+                         "http://127.0.0.1:4200/api, or unset it to run on a temporary local Prefect server") from None
+
+
+def check_tracking(cfg: Config) -> None:
+    """`tracking.uri` opens as an MLflow tracking store (when tracking is on): a SQLite file is created, a server must
+    answer, a plain path or `file:` store (refused by MLflow 3) or a missing database driver is named. One attempt,
+    no retries: a server that does not answer now is reported now (the run itself keeps MLflow's retries)."""
+    if not cfg.tracking.enabled:
+        return
+    from mlflow.tracking import MlflowClient
+
+    uri = cfg.tracking.uri
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"})
+    try:
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as e:  # MlflowException, a missing driver (ModuleNotFoundError), a bad URI (ValueError), ...
+        raise InputError(f"tracking.uri {uri!r} cannot be used ({_first_line(e)}): give sqlite:///PATH (the default "
+                         "is sqlite:///mlflow.db), the http(s) URL of a running MLflow server (`make services` starts "
+                         "one at http://127.0.0.1:5000), or set tracking.enabled=false") from None
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -30,7 +30,7 @@ from storage import checkpoints
 from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, validate_run_id
 from storage.tracking import Tracker
-from tasks.preflight import InputError, check_inputs
+from tasks.preflight import InputError, check_inputs, check_tracking
 from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
 
 
@@ -350,6 +350,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
     torch.set_num_threads(cfg.resources.train_threads)
     device = resolve_device(cfg.trainer.device)
     config_path = f"{lake.run_dir(run_id)}/config.json"
+    check_tracking(cfg)  # before the run is written and the bootstrap's minutes are spent
     if lake.fs.exists(config_path):
         if not resume:
             raise RunExistsError(f"run {run_id} already exists in {cfg.lake.uri}: continue it with "

@@ -97,3 +97,27 @@ def test_run_triggered_through_the_deployment(tmp_path):
         stopped = subprocess.run(["infra/services.sh", "stop"], cwd=REPO, env=env, capture_output=True, text=True,
                                  timeout=120)
         assert stopped.returncode == 0, stopped.stderr
+
+
+def test_services_refuse_a_port_in_use_and_start_nothing(tmp_path):
+    """A port another program listens on is named before anything starts (it was found after 120 s of waiting,
+    against whatever answered there, with the other service left running)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"), "PREFECT_PORT": str(_free_port()),
+               "MLFLOW_PORT": str(port), "LOCKSTEP_BIN": str(Path(sys.executable).parent)}
+        proc = subprocess.run(["infra/services.sh", "start"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr == (f"port {port} (mlflow) is in use by another program: stop it, or choose another port "
+                           f"(MLFLOW_PORT={port + 1} infra/services.sh start)\n")
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == []  # no pid, no log: nothing was started
+
+
+def test_services_script_refuses_an_unknown_command(tmp_path):
+    env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state")}
+    proc = subprocess.run(["infra/services.sh", "restart"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stderr) == (2, "usage: infra/services.sh start|stop|status\n")

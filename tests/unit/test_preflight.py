@@ -1,18 +1,25 @@
-"""tasks/preflight.py and models.tiny.check_model_dir: a model or dataset the run could not use fails before any
-work, with the field, the value and what to do; `lockstep train` turns that into exit 2 without a traceback."""
+"""tasks/preflight.py and models.tiny.check_model_dir: a model or dataset the run could not use, a Prefect API or
+an MLflow tracking store that does not answer, fails before any work, with the field, the value and what to do;
+`lockstep train` turns that into exit 2 without a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import os
 import shutil
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from configs.schema import ConfigError, load_config
+from configs.schema import ConfigError, load_config, resolved_json
 from flows import cli
 from models.tiny import ModelDirError, build_char_tokenizer, build_tiny_model, check_model_dir, load_hf, save_hf
-from tasks.preflight import InputError, check_inputs
+from tasks.preflight import InputError, check_inputs, check_prefect_api, check_tracking
 from tests.cli_output import cli_stderr, squash
 
 REPO = Path(__file__).resolve().parents[2]
@@ -189,3 +196,141 @@ def test_cli_train_csv_dataset_exits_2(tmp_path, capsys):
     err = cli_stderr(capsys)
     assert squash(f"error: task.dataset.uri: {tmp_path / 'd.csv'}: file extension .csv is not supported") in err
     assert "datasets`package" not in err
+
+
+# ------------------------------------------------------------------------------------------------ servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # a port nothing listens on once the socket closes
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def http_server(status: int, body: bytes):
+    """A local HTTP server answering every GET with `status` and `body`: something that answers but is not a
+    Prefect API (a wrong port, the UI's address)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def prefect_error(url: str) -> str:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url}), pytest.raises(InputError) as e:
+        check_prefect_api()
+    return str(e.value)
+
+
+def test_prefect_api_that_is_not_an_url():
+    assert prefect_error("foo").startswith("PREFECT_API_URL='foo' is not an http(s) URL (UnsupportedProtocol: ")
+
+
+def test_prefect_api_that_does_not_answer():
+    url = f"http://127.0.0.1:{_free_port()}/api"
+    msg = prefect_error(url)
+    assert msg.startswith(f"the Prefect API at PREFECT_API_URL={url} is unreachable (ConnectError: ")
+    assert msg.endswith("start it with `make services`, fix PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), or "
+                        "unset it to run on a temporary local Prefect server")
+
+
+@pytest.mark.parametrize(("status", "body", "why"), [
+    (404, b"not found", "PrefectHTTPStatusError: Client error '404 Not Found'"),
+    (200, b"<html>the UI</html>", "JSONDecodeError: "),  # a server that answers every path with a page
+])
+def test_prefect_api_url_of_something_else(status, body, why):
+    with http_server(status, body) as base:
+        msg = prefect_error(f"{base}/api")
+    assert msg.startswith(f"PREFECT_API_URL={base}/api is not a Prefect API ({why}")
+
+
+def test_prefect_api_that_answers_its_version_passes():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with http_server(200, b'"3.9.1"') as base, temporary_settings({PREFECT_API_URL: f"{base}/api"}):
+        check_prefect_api()  # GET /api/admin/version answered with a JSON string, as Prefect's server does
+
+
+def test_cli_train_and_replay_with_an_unreachable_prefect_api_exit_2_before_any_work(tmp_path, capsys, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import flows.replay
+
+    monkeypatch.setattr(flows.replay, "replay_flow", lambda **kw: pytest.fail("the replay flow must not start"))
+    url = f"http://127.0.0.1:{_free_port()}/api"
+    lake = tmp_path / "lake"
+    with temporary_settings({PREFECT_API_URL: url}):
+        assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}"]) == 2
+        assert squash(f"error: the Prefect API at PREFECT_API_URL={url} is unreachable (ConnectError:") in (
+            cli_stderr(capsys))
+        assert not lake.exists()
+        run = lake / "runs" / "r1"
+        run.mkdir(parents=True)
+        (run / "config.json").write_text(resolved_json(load_config(None, ["run.run_id=r1"])))
+        assert cli.main(["replay", "r1", "--lake", str(lake)]) == 2
+        assert squash(f"error: cannot replay 'r1': the Prefect API at PREFECT_API_URL={url} is unreachable") in (
+            cli_stderr(capsys))
+
+
+def tracking_error(*overrides: str) -> str:
+    with pytest.raises(InputError) as e:
+        check_tracking(load_config(ARITH, list(overrides)))
+    assert str(e.value).endswith(
+        "give sqlite:///PATH (the default is sqlite:///mlflow.db), the http(s) URL of a running MLflow server "
+        "(`make services` starts one at http://127.0.0.1:5000), or set tracking.enabled=false")
+    return str(e.value)
+
+
+def test_tracking_server_that_does_not_answer_fails_at_once(monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")  # MLflow's default: ~4 minutes of retries
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    url = f"http://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    msg = tracking_error(f"tracking.uri={url}")
+    assert time.monotonic() - t0 < 30  # one attempt (0.02 s here), not the run's retries
+    assert msg.startswith(f"tracking.uri {url!r} cannot be used (MlflowException: API request to {url}/api/2.0/"
+                          "mlflow/experiments/search failed")
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "7"  # the run keeps the user's settings
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+
+
+@pytest.mark.parametrize("uri", ["mlflow.db", "file:./mlruns"])
+def test_tracking_file_store_is_refused_before_the_run(uri, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert tracking_error(f"tracking.uri={uri}").startswith(f"tracking.uri {uri!r} cannot be used (MlflowException: "
+                                                            "The filesystem tracking backend")
+
+
+def test_tracking_sqlite_store_passes_and_disabled_tracking_is_not_opened(tmp_path):
+    db = tmp_path / "t" / "mlflow.db"
+    check_tracking(load_config(ARITH, [f"tracking.uri=sqlite:///{db}"]))
+    assert db.is_file()  # created as the run would (and reused by it)
+    check_tracking(load_config(ARITH, [f"tracking.uri=sqlite:///{tmp_path / 'off.db'}", "tracking.enabled=false"]))
+    assert not (tmp_path / "off.db").exists()
+
+
+def test_cli_train_with_an_unreachable_tracking_server_exits_2_before_the_run_is_written(tmp_path, capsys):
+    # the real flow: open_session checks the store before it writes the run and spends minutes on the bootstrap
+    lake = tmp_path / "lake"
+    url = f"http://127.0.0.1:{_free_port()}"
+    assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}", "-o", f"tracking.uri={url}"]) == 2
+    assert squash(f"error: tracking.uri '{url}' cannot be used (MlflowException:") in cli_stderr(capsys)
+    assert not list(lake.rglob("*.json")), "nothing of the run may be written"
