@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import models.packing as packing
 from models import objectives
-from models.packing import Group, pack_shared, pack_unshared, packed_logits, token_logprobs
+from models.packing import Group, pack_shared, pack_unshared, packed_logits, token_costs, token_logprobs, use_shared
 from models.tiny import build_tiny_model
 from models.trainer import LossSettings, PolicyTrainer, RolloutGroup
 
@@ -214,6 +214,14 @@ def test_trainer_shared_equals_unshared(monkeypatch):
         assert abs(a - b) <= 1e-5 * max(abs(b), 1e-3), f"{key}: {a!r} (shared) vs {b!r} (unshared)"
     assert figures[True]["train/tokens"] == figures[False]["train/tokens"]
     _assert_grads_close(grads[True], grads[False])
+
+
+def test_sharing_is_chosen_at_exactly_the_minimum_saving():
+    # prompt 4, two responses of 2: unshared 2 x (4 + 2) = 12 tokens, shared 4 + 2 + 2 = 8; 12 / 8 = 1.5
+    group = Group([1, 2, 3, 4], [[5, 6], [7, 8]])
+    assert token_costs([group]) == (12, 8)
+    assert use_shared([group], min_saving=1.5)
+    assert not use_shared([group], min_saving=1.51)
 
 
 def test_eager_attention_gets_an_additive_mask():

@@ -35,6 +35,14 @@ def test_decay_runs_from_peak_to_min_ratio(kind):
     assert q == pytest.approx(floor + (1 - floor) * expected, abs=1e-12)
 
 
+def test_the_rate_is_a_factor_of_the_peak_not_of_the_last_rate():
+    trainer = PolicyTrainer(build_tiny_model(40, seed=0, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                             intermediate_size=32), None, lr=1e-2)
+    trainer.set_lr_factor(0.5)
+    trainer.set_lr_factor(0.5)  # the same batch index twice (a resumed step): 0.5 x peak, not 0.25
+    assert trainer.optimizer.param_groups[0]["lr"] == 0.5e-2
+
+
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="unknown lr schedule 'step'"):
         lr_factor(0, 10, kind="step")

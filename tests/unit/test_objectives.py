@@ -588,6 +588,96 @@ def test_decoupled_bad_input():
         obj.decoupled_policy_loss(logp, prox, torch.zeros(2, 3), adv, mask)
 
 
+
+# ---------------------------------------------------------------------- boundaries and detached inputs (mutation audit)
+# Each test below kills a change to models/objectives.py that the tests above let through (a comparison's edge, a
+# mask forgotten in a count, a .detach() removed); see the commit that added them.
+
+
+def test_a_zero_advantage_token_is_never_counted_as_clipped():
+    # ratio .5 with A = 0: neither side of the clip applies (A < 0 clips low, A > 0 clips high)
+    _, m = obj.policy_loss(torch.tensor([[LN(0.5)], [LN(1.5)]]), torch.zeros(2, 1), torch.tensor([0.0, 0.0]),
+                           torch.ones(2, 1))
+    assert m["clip/low_fraction"] == 0.0 and m["clip/high_fraction"] == 0.0 and m["clip/fraction"] == 0.0
+
+
+def test_dual_clip_starts_above_c():
+    # A = -1 and a ratio of exactly c: the loss is c either way; the token is not counted as dual-clipped and keeps
+    # a gradient (half of r: at the tie torch's min splits it between the two branches)
+    log_r = torch.tensor([[LN(4.0)]], dtype=torch.float64)
+    c = float(torch.exp(log_r))
+    logp = log_r.clone().requires_grad_(True)
+    loss, m = obj.policy_loss(logp, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
+                              torch.ones(1, 1), dual_clip=c)
+    loss.sum().backward()
+    assert m["clip/dual_fraction"] == 0.0
+    close(logp.grad, [[c / 2]])
+
+
+@pytest.mark.parametrize("which", ["old", "advantages"])
+def test_policy_loss_passes_no_gradient_to_old_logp_or_advantages(which):
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.5]], requires_grad=which == "old")  # ratios 1.105 and .607: neither clipped
+    adv = torch.tensor([0.7], requires_grad=which == "advantages")
+    loss, _ = obj.policy_loss(logp, old, adv, torch.ones(1, 2))
+    loss.sum().backward()
+    assert old.grad is None and adv.grad is None
+    assert logp.grad is not None and bool((logp.grad != 0).all())
+
+
+def test_decoupled_loss_passes_no_gradient_to_the_proximal_or_behaviour_logp():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    prox = torch.tensor([[-1.1, -1.9]], requires_grad=True)
+    b = torch.tensor([[-1.3, -2.2]], requires_grad=True)
+    loss, _ = obj.decoupled_policy_loss(logp, prox, b, torch.tensor([1.0]), torch.ones(1, 2))
+    loss.sum().backward()
+    assert prox.grad is None and b.grad is None
+    assert logp.grad is not None
+
+
+def test_geometric_weight_averages_over_the_mask_tokens_only():
+    # mask [1, 0]: the padded token's log 100 is not part of the mean, and the mean divides by 1 token, not 2
+    b = torch.full((1, 2), -3.0)
+    prox = b + torch.tensor([[LN(4.0), LN(100.0)]])
+    loss, m = obj.decoupled_policy_loss(prox.clone(), prox, b, torch.tensor([1.0]), torch.tensor([[True, False]]),
+                                        is_cap=None, is_level="geometric")
+    close(loss, [[-4.0, 0.0]], atol=1e-5)
+    close(m["is_weight/mean"], 4.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("is_mode", ["cap", "mask"])
+def test_a_weight_equal_to_the_cap_is_kept(is_mode):
+    # prox = behaviour: every weight is exactly 1 = the cap; nothing capped or masked, the loss is PPO's
+    g = torch.Generator().manual_seed(0)
+    logp, b = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool)
+    loss, m = obj.decoupled_policy_loss(logp, b, b, adv, mask, is_cap=1.0, is_mode=is_mode)
+    assert m["is_weight/capped_fraction"] == 0.0 and m["is_weight/masked_fraction"] == 0.0
+    torch.testing.assert_close(loss, obj.policy_loss(logp, b, adv, mask)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("is_mode", "key"), [("cap", "is_weight/capped_fraction"),
+                                              ("mask", "is_weight/masked_fraction")])
+def test_sequence_level_fractions_count_mask_tokens_only(is_mode, key):
+    # row 0 (2 mask tokens + 1 padding) has weight 2*3 = 6 > cap 5; row 1 (3 tokens) .5: 2 of 5 mask tokens
+    b = torch.full((2, 3), -3.0)
+    prox = b + torch.tensor([[LN(2.0), LN(3.0), 0.0], [LN(0.5), 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    _, m = obj.decoupled_policy_loss(prox.clone(), prox, b, torch.ones(2), mask, is_cap=5.0, is_mode=is_mode,
+                                     is_level="sequence")
+    close(m[key], 0.4)
+
+
+def test_sequence_weight_of_a_long_response_is_clamped_finite():
+    # 100 tokens each 1 nat above behaviour: exp(100) as a product, clamped to exp(max_log_ratio = 20)
+    b = torch.full((1, 100), -5.0)
+    prox = b + 1.0
+    loss, m = obj.decoupled_policy_loss(prox.clone(), prox, b, torch.tensor([1.0]), torch.ones(1, 100), is_cap=None,
+                                        is_level="sequence")
+    assert bool(torch.isfinite(loss).all())
+    close(m["is_weight/max"], math.exp(20.0), rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ entropy, DAPO
 
 
