@@ -544,8 +544,13 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_environment()
     _interrupt_on_sigterm()
     args = build_parser().parse_args(argv)
+    from storage.lake import LakeURLError
+
     try:
         return args.func(args)
+    except LakeURLError as e:  # --lake of any command
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         if not _stdout_closed():  # another pipe or socket: a real error
             raise

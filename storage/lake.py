@@ -31,11 +31,30 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
+class LakeURLError(ValueError):
+    """A lake URL whose filesystem fsspec cannot provide: an unknown protocol, or its package is not installed."""
+
+
+def check_lake_url(uri: str) -> None:
+    """Every protocol of `uri` (chained URLs too, `simplecache::s3://...`) has an importable fsspec filesystem;
+    nothing is opened or contacted."""
+    for part in uri.split("::"):
+        protocol, _ = fsspec.core.split_protocol(part)
+        try:
+            fsspec.get_filesystem_class(protocol or "file")
+        except (ImportError, ValueError) as e:  # "Install s3fs to access S3", "Protocol not known: foo"
+            raise LakeURLError(f"lake {uri!r}: {e}; give a local directory or an fsspec URL whose filesystem is "
+                               "installed (s3:// needs s3fs, gs:// gcsfs, az:// adlfs)") from None
+
+
 @dataclass(frozen=True)
 class Lake:
     """Paths of one lake URL plus its fsspec filesystem."""
 
     uri: str
+
+    def __post_init__(self):
+        check_lake_url(self.uri)  # here, not at the first path or file access deep inside a command
 
     # Parsed once per Lake: `url_to_fs` took ~25 us a call, and the watcher and every path helper ask for these.
     @functools.cached_property

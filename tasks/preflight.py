@@ -75,7 +75,14 @@ def check_dataset(cfg: Config) -> None:
 
 
 def check_inputs(cfg: Config) -> None:
-    """Raise `InputError` (a `ConfigError`) for a model or dataset the run could not use; cheap, no side effects."""
+    """Raise `InputError` (a `ConfigError`) for a lake, model or dataset the run could not use; cheap, no side
+    effects."""
+    from storage.lake import LakeURLError, check_lake_url
+
+    try:
+        check_lake_url(cfg.lake.uri)
+    except LakeURLError as e:
+        raise InputError(f"lake.uri: {e}") from None
     if cfg.model.path is not None:
         check_model_path(cfg.model.path)
     if cfg.task.kind == "dataset":

@@ -150,6 +150,26 @@ def test_runs_of_a_lake_that_is_not_there(tmp_path, capsys, what):
     assert squash(f"error: lake {lake} {reason}") in cli_stderr(capsys)
 
 
+# ------------------------------------------------------------------------------------------------ --lake URLs
+
+
+@pytest.mark.parametrize("argv", [["runs"], ["resume", "r1"], ["replay", "r1"], ["audit", "r1"], ["report", "r1"],
+                                  ["export", "r1", "--out", "x"]])
+@pytest.mark.parametrize("url", ["nosuchfs://lake", "simplecache::nosuchfs://lake"])
+def test_a_lake_url_without_a_filesystem_is_one_error_line(argv, url, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([*argv, "--lake", url]) == 2  # was a ValueError or ImportError traceback from fsspec
+    assert squash(f"error: {'cannot replay ' + repr('r1') + ': ' if argv[0] == 'replay' else ''}lake {url!r}: "
+                  "Protocol not known: nosuchfs; give a local directory or an fsspec URL whose filesystem is "
+                  "installed (s3:// needs s3fs") in cli_stderr(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_with_a_lake_url_without_a_filesystem_exits_2_before_any_work(capsys):
+    assert cli.main(["train", ARITH, "-o", "lake.uri=nosuchfs://lake"]) == 2
+    assert squash("error: lake.uri: lake 'nosuchfs://lake': Protocol not known: nosuchfs;") in cli_stderr(capsys)
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
