@@ -115,12 +115,13 @@ class _Progress:
 
 def _run_flow(console, config_path: str, overrides: list[str], resume: bool, source: str | None = None) -> int:
     from configs.schema import ConfigError, load_config
-    from tasks.preflight import check_inputs, check_prefect_api
+    from tasks.preflight import check_backend, check_inputs, check_prefect_api
 
     try:
         cfg = load_config(config_path, overrides, source)  # fail fast, before Prefect or any work starts
         if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
             check_inputs(cfg)  # the model and dataset it names exist and read
+        check_backend(cfg)
         check_prefect_api()  # the tracking store is checked by the flow, before it writes the run
     except ConfigError as e:
         console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
@@ -446,11 +447,12 @@ def cmd_serve(args) -> int:
     from prefect.settings import PREFECT_API_URL
 
     from configs.schema import ConfigError, load_config
-    from tasks.preflight import check_inputs, check_prefect_api, check_tracking
+    from tasks.preflight import check_backend, check_inputs, check_prefect_api, check_tracking
 
     try:  # the deployment's default parameters: a bad config would fail every triggered run
         cfg = load_config(args.config, args.override)
         check_inputs(cfg)
+        check_backend(cfg)
         if not PREFECT_API_URL.value():
             print("error: lockstep serve needs a Prefect server: run `make services`, then "
                   "export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)

@@ -74,6 +74,42 @@ def check_dataset(cfg: Config) -> None:
             raise InputError(f"task.dataset.{field}: {e}") from None
 
 
+def resolve_device(kind: str):
+    """The one device resolver: auto picks CUDA, then an Ascend NPU, then the CPU (which always works). Returns a
+    `torch.device`; a device that is not there raises `InputError`."""
+    import torch
+
+    if kind == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
+            return torch.device("npu")
+        return torch.device("cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise InputError("trainer.device is 'cuda' but no CUDA device is visible; use trainer.device=cpu (or auto)")
+    if kind == "npu":
+        import importlib.util
+
+        if importlib.util.find_spec("torch_npu") is None:
+            raise InputError("trainer.device is 'npu' but torch_npu is missing: pip install 'lockstep-rl[npu]'; or "
+                             "use trainer.device=cpu (or auto)")
+        import torch_npu  # noqa: F401
+    return torch.device(kind)
+
+
+def check_backend(cfg: Config) -> None:
+    """`trainer.device` is there and `rollout.engine: vllm` is installed (an optional extra)."""
+    if cfg.rollout.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            from models.vllm_engine import INSTALL
+
+            raise InputError(f"rollout.engine is 'vllm' but vLLM is not installed: {INSTALL}; or set "
+                             "rollout.engine=builtin")
+    resolve_device(cfg.trainer.device)
+
+
 def check_inputs(cfg: Config) -> None:
     """Raise `InputError` (a `ConfigError`) for a lake, model or dataset the run could not use; cheap, no side
     effects."""

@@ -30,7 +30,7 @@ from storage import checkpoints
 from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, validate_run_id
 from storage.tracking import Tracker
-from tasks.preflight import InputError, check_inputs, check_tracking
+from tasks.preflight import InputError, check_backend, check_inputs, check_tracking, resolve_device
 from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
 
 
@@ -136,25 +136,6 @@ def unregister(run_id: str) -> None:
     import importlib
 
     importlib.import_module("tasks.session").SESSIONS.pop(run_id, None)
-
-
-def resolve_device(kind: str) -> torch.device:
-    """The one device resolver: auto picks CUDA, then an Ascend NPU, then the CPU (which always works)."""
-    if kind == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
-            return torch.device("npu")
-        return torch.device("cpu")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device is 'cuda' but no CUDA device is visible; use trainer.device=cpu")
-    if kind == "npu":
-        import importlib.util
-
-        if importlib.util.find_spec("torch_npu") is None:
-            raise RuntimeError("trainer.device is 'npu' but torch_npu is missing: pip install 'lockstep-rl[npu]'")
-        import torch_npu  # noqa: F401
-    return torch.device(kind)
 
 
 def default_run_id(cfg: Config) -> str:
@@ -336,14 +317,7 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
 def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSession:
     """Create the run (or reopen it with `resume`): frozen config, v0, trainer, rollout workers, MLflow run."""
     run_id = validate_run_id(default_run_id(cfg))
-    if cfg.rollout.engine == "vllm":  # before any work: the extra is optional
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            from models.vllm_engine import INSTALL
-
-            raise RuntimeError(f"rollout.engine is 'vllm' but vLLM is not installed: {INSTALL}; or set "
-                               "rollout.engine=builtin")
+    check_backend(cfg)  # before any work: the device exists, the optional extras are installed
     cfg = cfg.model_copy(deep=True)
     cfg.run.run_id = run_id
     lake = Lake(cfg.lake.uri)

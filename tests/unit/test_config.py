@@ -545,13 +545,14 @@ def test_gpu_config_without_vllm_fails_before_any_work(tmp_path):
     is written to the lake."""
     import importlib.util
 
+    from tasks.preflight import InputError
     from tasks.session import open_session
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     cfg = load_config(REPO / "configs" / "qwen2.5-1.5b-gsm8k.yaml", [f"lake.uri={tmp_path / 'lake'}"])
     assert (cfg.rollout.engine, cfg.trainer.device, cfg.task.reward) == ("vllm", "cuda", "math_verify")
-    with pytest.raises(RuntimeError, match=r"pip install 'lockstep-rl\[cuda\]'"):
+    with pytest.raises(InputError, match=r"pip install 'lockstep-rl\[cuda\]'"):  # the CLI's exit-2 path
         open_session(cfg)
     assert not (tmp_path / "lake").exists()
 

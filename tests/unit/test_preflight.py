@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from configs.schema import ConfigError, load_config, resolved_json
 from flows import cli
 from models.tiny import ModelDirError, build_char_tokenizer, build_tiny_model, check_model_dir, load_hf, save_hf
-from tasks.preflight import InputError, check_inputs, check_prefect_api, check_tracking
+from tasks.preflight import InputError, check_backend, check_inputs, check_prefect_api, check_tracking
 from tests.cli_output import cli_stderr, squash
 
 REPO = Path(__file__).resolve().parents[2]
@@ -334,3 +335,39 @@ def test_cli_train_with_an_unreachable_tracking_server_exits_2_before_the_run_is
     assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}", "-o", f"tracking.uri={url}"]) == 2
     assert squash(f"error: tracking.uri '{url}' cannot be used (MlflowException:") in cli_stderr(capsys)
     assert not list(lake.rglob("*.json")), "nothing of the run may be written"
+
+
+# ------------------------------------------------------------------------------------------------ device, engine
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible here")
+def test_cli_train_on_cuda_without_a_cuda_device_exits_2_before_any_work(tmp_path, capsys):
+    lake = tmp_path / "lake"
+    assert cli.main(["train", ARITH, "-o", "trainer.device=cuda", "-o", f"lake.uri={lake}"]) == 2
+    assert squash("error: trainer.device is 'cuda' but no CUDA device is visible; use trainer.device=cpu (or "
+                  "auto)") in cli_stderr(capsys)  # was a RuntimeError traceback from inside the flow
+    assert not lake.exists()
+
+
+@pytest.mark.skipif(_has("torch_npu"), reason="torch_npu is installed here")
+def test_npu_without_torch_npu_is_an_input_error():
+    with pytest.raises(InputError, match=r"trainer.device is 'npu' but torch_npu is missing: pip install "):
+        check_backend(load_config(ARITH, ["trainer.device=npu"]))
+
+
+@pytest.mark.skipif(_has("vllm"), reason="vLLM is installed here")
+def test_vllm_engine_without_vllm_is_an_input_error_before_the_device():
+    with pytest.raises(InputError, match=r"rollout.engine is 'vllm' but vLLM is not installed: .*; or set "
+                                         r"rollout.engine=builtin"):
+        check_backend(load_config(ARITH, ["rollout.engine=vllm", "trainer.device=cuda"]))
+
+
+def test_cpu_and_auto_pass():
+    check_backend(load_config(ARITH, ["trainer.device=cpu"]))
+    check_backend(load_config(ARITH, ["trainer.device=auto"]))
