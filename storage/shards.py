@@ -85,7 +85,13 @@ def records_to_table(records: list[SampleRecord]) -> pa.Table:
                 f"token_versions ({len(r.token_versions)}) must have the length of response_ids ({n})"
             )
     cols = {f.name: [getattr(r, f.name) for r in records] for f in ROLLOUT_SCHEMA}
-    return pa.Table.from_pydict(cols, schema=ROLLOUT_SCHEMA)
+    table = pa.Table.from_pydict(cols, schema=ROLLOUT_SCHEMA)
+    for f in ROLLOUT_SCHEMA:  # pyarrow takes None in a non-nullable field: a shard would be written without it
+        if not f.nullable and (nulls := table.column(f.name).null_count):
+            first = next(r for r in records if getattr(r, f.name) is None)
+            raise ValueError(f"{f.name} is None in {nulls} sample(s) (first {first.group_id}/{first.sample_index}); "
+                             "a shard requires it")
+    return table
 
 
 def write_shard(lake: Lake, run_id: str, path: str, records: list[SampleRecord], compression: str | None = None) -> str:

@@ -125,6 +125,18 @@ def groups_of(table, group_size: int | None = None) -> list[RolloutGroup]:
     return list(groups.values())
 
 
+def token_staleness(path: str, groups: list[RolloutGroup], version: int, max_staleness: int) -> list[int]:
+    """How many versions each token of a shard's groups is behind the trainer's `version`. A token more than
+    `max_staleness` behind, or ahead of the trainer, raises `ShardError`: admission control (the workers') or the
+    version bookkeeping failed, and training on it would break the staleness bound silently."""
+    staleness = [version - v for g in groups for tv in g.token_versions for v in tv]
+    if staleness and not 0 <= min(staleness) <= max(staleness) <= max_staleness:
+        raise ShardError(f"{path}: tokens {max(staleness)} versions behind the trainer's {version} (bound "
+                         f"{max_staleness}) or {max(0, -min(staleness))} ahead of it: admission control or version "
+                         "bookkeeping failed")
+    return staleness
+
+
 def micro_batches(groups: list[RolloutGroup], budget: int, shared: bool) -> list[list[RolloutGroup]]:
     """Greedy packing of whole groups under a token budget (a group larger than the budget goes alone)."""
     out: list[list[RolloutGroup]] = []
@@ -277,11 +289,7 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             torch.set_num_threads(idle_rollout_threads(s.cfg))
         for path, checksum, groups in landed:
             t2 = time.perf_counter()
-            shard_staleness = [s.version - v for g in groups for tv in g.token_versions for v in tv]
-            if shard_staleness and not 0 <= min(shard_staleness) <= max(shard_staleness) <= max_staleness:
-                raise ShardError(f"{path}: tokens {max(shard_staleness)} versions behind the trainer's {s.version} "
-                                 f"(bound {max_staleness}) or ahead of it: admission control or version bookkeeping "
-                                 "failed")
+            shard_staleness = token_staleness(path, groups, s.version, max_staleness)
             for g in groups:
                 rewards.extend(g.rewards)
             staleness.extend(shard_staleness)

@@ -10,9 +10,11 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from flows.train import train_flow
+from models.engine import sample_seed
 from storage import ledger
 from storage.checkpoints import verify_checkpoint
 from storage.lake import Lake
+from storage.shards import read_shard, table_to_records
 from tests.integration.runs import all_samples, final_params, write_config
 
 
@@ -55,6 +57,18 @@ def test_two_iterations_through_prefect(tmp_path):
     assert [r["promoted_version"] for r in records] == [1, 2]
     assert sum(sh["groups"] for sh in records[0]["shards"]) == 8
     assert [h["state"] for h in records[0]["history"]] == ["planned", "rolling_out", "trained", "promoted"]
+    # each iteration's plan is cut into chunks of pipeline.shard_groups (2) groups, each published and trained
+    # once, every sample seeded by (run seed, iteration, prompt, index)
+    for rec in records:
+        assert len({sh["path"] for sh in rec["shards"]}) == 4 and [sh["groups"] for sh in rec["shards"]] == [2] * 4
+        chunks = {}
+        for sh in rec["shards"]:
+            rows = table_to_records(read_shard(lake, sh["path"], sh["checksum"]))
+            chunks[int(sh["path"].rsplit("-", 1)[1].removesuffix(".arrow"))] = list(
+                dict.fromkeys(r.prompt_id for r in rows))
+            assert [r.seed for r in rows] == [sample_seed(3, r.iteration, r.prompt_id, r.sample_index) for r in rows]
+        plan = rec["prompt_ids"]
+        assert [chunks[i] for i in sorted(chunks)] == [plan[i : i + 2] for i in range(0, 8, 2)]
 
     # summary.json and the frozen config
     on_disk = json.loads((tmp_path / f"lake/runs/{rid}/summary.json").read_text())

@@ -184,6 +184,32 @@ def test_top_p_hand_computed():
     torch.testing.assert_close(p, torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.5, 0.3]]), atol=1e-6, rtol=0)
 
 
+def test_top_p_drops_a_token_whose_preceding_mass_equals_top_p():
+    # probabilities exact in binary: the mass before the 2nd token is exactly .5, before the 3rd exactly .75
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    p = _sampling_logprobs(logits, 1.0, 0.5).exp()
+    torch.testing.assert_close(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
+    p = _sampling_logprobs(logits, 1.0, 0.75).exp()  # {.5, .25} / .75
+    torch.testing.assert_close(p, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_top_p_just_below_one_still_truncates():
+    logits = torch.log(torch.tensor([[0.99995, 0.00005]], dtype=torch.float64))
+    p = _sampling_logprobs(logits, 1.0, 0.9999).exp()  # the mass before the 2nd (.99995) >= .9999: dropped
+    torch.testing.assert_close(p, torch.tensor([[1.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_a_uniform_of_exactly_zero_never_picks_a_token_outside_the_nucleus(model, monkeypatch):
+    # torch.rand can return 0 (p = 2^-24 per draw); searchsorted of 0 lands on the first token of the vocabulary,
+    # which top_p 1e-3 excludes: the engine must fall back to a token of the nucleus, with a finite log-prob
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.zeros(()))
+    out = generate_groups(model, [[5, 6, 7]], 2, SamplingParams(4, 1.0, 1e-3), [[1, 2]], eos_token_id=1,
+                          pad_token_id=0)
+    for sample in out[0]:
+        assert 0 not in sample.response_ids
+        assert all(abs(lp) < 1e-6 for lp in sample.logprobs), sample.logprobs  # the only token kept: log 1
+
+
 def test_temperature_applies_before_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     # T=0.5 squares the probabilities: [.25, .09, .04] / .38 = [.657895, .236842, .105263]

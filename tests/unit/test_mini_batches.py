@@ -82,6 +82,19 @@ def test_steps_do_not_depend_on_the_order_shards_land_in(setup):
     assert "train/optimizer_steps" not in f1 and f1["train/samples"] == 32.0
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_the_first_step_is_on_policy_whatever_the_behaviour_logprobs(setup, m):
+    """The batch's first step uses the current policy as the old one (ratio exactly 1, nothing clipped), even when
+    the engine's log-probs differ from the trainer's (a bf16 or vLLM engine): here they are all 0.5 too low."""
+    model, groups = setup
+    shifted = {p: copy.copy(g) for p, g in groups.items()}
+    for g in shifted.values():
+        g.behavior_logprobs = [[x - 0.5 for x in row] for row in g.behavior_logprobs]
+    _, _, steps = _train(model, shifted, m, [PLAN[i : i + 2] for i in range(0, 8, 2)])
+    assert steps[0]["mismatch/logp_abs"] == pytest.approx(0.5, abs=1e-4)  # the engine's error is seen...
+    assert steps[0]["clip/fraction"] == 0.0  # ...and not used as the old policy (ratio e^0.5 = 1.65 would clip)
+
+
 def test_later_mini_batches_are_clipped_against_the_behaviour_policy(setup):
     model, groups = setup
     a, _, steps = _train(model, groups, 2, [PLAN[:4], PLAN[4:]])
@@ -144,3 +157,38 @@ def test_before_step_runs_before_every_optimizer_step_and_sees_the_weights_uncha
     assert seen[0] == 0.0  # the first hook: nothing has moved the weights yet
     if m == 2:
         assert seen[1] > 0.0  # the second: after the first step (the hook is not called once up front)
+
+
+def test_a_shard_holding_part_of_a_group_is_refused():
+    import pyarrow as pa
+
+    from storage.shards import ShardError
+    from tasks.iteration import groups_of
+
+    def rows(gid: str, n: int) -> list[dict]:
+        return [dict(group_id=gid, prompt_id=int(gid.split("-")[1]), prompt_ids=[1, 2], response_ids=[3 + j],
+                     reward=0.0, behavior_logprobs=[-0.1], token_versions=[0]) for j in range(n)]
+
+    whole = groups_of(pa.Table.from_pylist(rows("0-1", 4) + rows("0-2", 4)), 4)
+    assert [(g.prompt_id, g.responses) for g in whole] == [(1, [[3], [4], [5], [6]]), (2, [[3], [4], [5], [6]])]
+    with pytest.raises(ShardError, match=r"partial groups \(group id: samples, expected 4\): \{'0-2': 3\}"):
+        groups_of(pa.Table.from_pylist(rows("0-1", 4) + rows("0-2", 3)), 4)
+    with pytest.raises(ShardError, match=r"\{'0-1': 5\}"):  # a sample too many (a group written twice in part)
+        groups_of(pa.Table.from_pylist(rows("0-1", 5)), 4)
+
+
+def test_a_token_beyond_the_staleness_bound_or_ahead_of_the_trainer_is_refused():
+    from storage.shards import ShardError
+    from tasks.iteration import token_staleness
+
+    def group(versions: list[list[int]]) -> RolloutGroup:
+        return RolloutGroup([1], [[2] * len(v) for v in versions], [0.0] * len(versions),
+                            [[-0.1] * len(v) for v in versions], versions)
+
+    # trainer at version 5, bound 2: versions 3-5 are fine (an interrupted sample carries several)
+    assert token_staleness("s", [group([[3, 4], [5]]), group([[4, 4, 5]])], 5, 2) == [2, 1, 0, 1, 1, 0]
+    with pytest.raises(ShardError, match=r"^s: tokens 3 versions behind the trainer's 5 \(bound 2\) or 0 ahead"):
+        token_staleness("s", [group([[3, 4], [2]])], 5, 2)
+    with pytest.raises(ShardError, match=r"^s: tokens 0 versions behind the trainer's 5 \(bound 2\) or 1 ahead"):
+        token_staleness("s", [group([[5, 6]])], 5, 2)
+    assert token_staleness("s", [group([[5]])], 5, 0) == [0]  # periodic and sync: bound 0

@@ -151,6 +151,27 @@ def test_length_invariant_violation_raises(local_lake, field):
     assert not local_lake.fs.exists(path)
 
 
+
+def test_the_schema_pins_which_fields_a_sample_must_have():
+    required = ["run_id", "iteration", "policy_version", "group_id", "prompt_id", "sample_index", "prompt_ids",
+                "response_ids", "behavior_logprobs", "token_versions", "reward", "finish_reason"]
+    assert [f.name for f in ROLLOUT_SCHEMA if not f.nullable] == required
+    assert [f.name for f in ROLLOUT_SCHEMA if f.nullable] == ["prompt_text", "response_text", "worker", "seed",
+                                                              "created_at"]
+
+
+@pytest.mark.parametrize("field", ["reward", "finish_reason", "policy_version"])
+def test_a_required_field_left_none_is_refused(local_lake, field):
+    # pyarrow writes None into a non-nullable column without complaint: the trainer would read a reward of None
+    records = make_records()
+    bad = replace(records[2], **{field: None})
+    path = shard_path(local_lake)
+    with pytest.raises(ValueError, match=rf"^{field} is None in 1 sample\(s\) \(first 7-0/2\); a shard requires it"):
+        write_shard(local_lake, RUN, path, [*records[:2], bad, *records[3:]])
+    assert not local_lake.fs.exists(path)
+    write_shard(local_lake, RUN, path, [*records[:2], replace(records[2], worker=None, seed=None), *records[3:]])
+
+
 # ------------------------------------------------------------------------------------------------ atomic publish
 
 
