@@ -185,7 +185,8 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
     from models.tiny import load_hf
     from storage import checkpoints, ledger
     from storage.lake import Lake, read_json
-    from tasks.session import build_trainer, resolve_device
+    from tasks.preflight import resolve_device
+    from tasks.session import build_trainer
 
     lake = Lake(lake_uri)
     base = Config.model_validate(read_json(lake, f"{lake.run_dir(run_ids[0])}/config.json"))

@@ -16,7 +16,8 @@ from storage import checkpoints, ledger
 from storage.lake import Lake, atomic_write_bytes, read_json
 from storage.shards import read_shard
 from tasks.iteration import BatchSteps, groups_of
-from tasks.session import build_trainer, resolve_device
+from tasks.preflight import resolve_device
+from tasks.session import build_trainer
 
 
 def recorded_batch(lake: Lake, record: dict) -> list[list[RolloutGroup]]:

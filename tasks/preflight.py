@@ -97,8 +97,8 @@ def resolve_device(kind: str):
     return torch.device(kind)
 
 
-def check_backend(cfg: Config) -> None:
-    """`trainer.device` is there and `rollout.engine: vllm` is installed (an optional extra)."""
+def check_backend(cfg: Config):
+    """`trainer.device` is there and `rollout.engine: vllm` is installed (an optional extra); returns the device."""
     if cfg.rollout.engine == "vllm":
         import importlib.util
 
@@ -107,7 +107,7 @@ def check_backend(cfg: Config) -> None:
 
             raise InputError(f"rollout.engine is 'vllm' but vLLM is not installed: {INSTALL}; or set "
                              "rollout.engine=builtin")
-    resolve_device(cfg.trainer.device)
+    return resolve_device(cfg.trainer.device)
 
 
 def check_inputs(cfg: Config) -> None:

@@ -30,7 +30,7 @@ from storage import checkpoints
 from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, validate_run_id
 from storage.tracking import Tracker
-from tasks.preflight import InputError, check_backend, check_inputs, check_tracking, resolve_device
+from tasks.preflight import InputError, check_backend, check_inputs, check_tracking
 from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
 
 
@@ -317,12 +317,11 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
 def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSession:
     """Create the run (or reopen it with `resume`): frozen config, v0, trainer, rollout workers, MLflow run."""
     run_id = validate_run_id(default_run_id(cfg))
-    check_backend(cfg)  # before any work: the device exists, the optional extras are installed
+    device = check_backend(cfg)  # before any work: the device exists, the optional extras are installed
     cfg = cfg.model_copy(deep=True)
     cfg.run.run_id = run_id
     lake = Lake(cfg.lake.uri)
     torch.set_num_threads(cfg.resources.train_threads)
-    device = resolve_device(cfg.trainer.device)
     config_path = f"{lake.run_dir(run_id)}/config.json"
     check_tracking(cfg)  # before the run is written and the bootstrap's minutes are spent
     if lake.fs.exists(config_path):

@@ -14,19 +14,14 @@ from pathlib import Path
 import pytest
 
 from tests.integration.runs import write_config
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_run_triggered_through_the_deployment(tmp_path):
-    pp, mp = _free_port(), _free_port()
+    pp, mp = free_port(), free_port()
     env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"), "PREFECT_PORT": str(pp),
            "MLFLOW_PORT": str(mp), "LOCKSTEP_BIN": str(Path(sys.executable).parent), "PYTHONPATH": str(REPO)}
     api, mlflow_uri = f"http://127.0.0.1:{pp}/api", f"http://127.0.0.1:{mp}"
@@ -106,7 +101,7 @@ def test_services_refuse_a_port_in_use_and_start_nothing(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"), "PREFECT_PORT": str(_free_port()),
+        env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"), "PREFECT_PORT": str(free_port()),
                "MLFLOW_PORT": str(port), "LOCKSTEP_BIN": str(Path(sys.executable).parent)}
         proc = subprocess.run(["infra/services.sh", "start"], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=60)

@@ -65,6 +65,24 @@ def _whole_batch(policy, ref, groups, advantage: str, loss_agg: str) -> dict:
     }
 
 
+def _accumulate(policy, ref, groups, settings: LossSettings, grad_clip: float, shared_prompt: bool = False):
+    """The trainer's way: one micro-step per group, as shards land, then one optimizer step. Returns the step's
+    figures and the gradient the optimizer received (after scaling and clipping)."""
+    model = copy.deepcopy(policy)
+    trainer = PolicyTrainer(model, ref, lr=1e-3, grad_clip=grad_clip, loss=settings, shared_prompt=shared_prompt)
+    seen = {}
+    step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        seen["grads"] = [p.grad.clone() for p in model.parameters()]
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    for g in groups:
+        trainer.micro_step([g])
+    return trainer.optimizer_step(), seen["grads"]
+
+
 @pytest.mark.parametrize("shared_prompt", [False, True])
 @pytest.mark.parametrize("advantage", ["grpo", "rloo"])
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -73,23 +91,10 @@ def test_accumulated_gradient_equals_the_whole_batch_loss_gradient(loss_agg, adv
     policy, ref = build_tiny_model(VOCAB, seed=0, **TINY), build_tiny_model(VOCAB, seed=1, **TINY)
     groups = _batch()
     want = _whole_batch(policy, ref, groups, advantage, loss_agg)
-
-    model = copy.deepcopy(policy)
     settings = LossSettings(advantage=advantage, loss_agg=loss_agg, kl_coef=KL_COEF, kl_kind="k3", norm_len=NORM_LEN)
-    trainer = PolicyTrainer(model, ref, lr=1e-3, grad_clip=1e9, loss=settings, shared_prompt=shared_prompt)
-    seen = {}
-    step = trainer.optimizer.step
+    figures, grads = _accumulate(policy, ref, groups, settings, grad_clip=1e9, shared_prompt=shared_prompt)
 
-    def capture(*args, **kwargs):  # the gradient the optimizer is about to use
-        seen["grads"] = [p.grad.clone() for p in model.parameters()]
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = capture
-    for g in groups:  # one micro-step per group, as shards land
-        trainer.micro_step([g])
-    figures = trainer.optimizer_step()
-
-    for got, expected in zip(seen["grads"], want["grads"], strict=True):
+    for got, expected in zip(grads, want["grads"], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
     assert figures["grad/norm"] == pytest.approx(want["grad/norm"], rel=1e-4)
     assert figures["entropy/mean"] == pytest.approx(want["entropy/mean"], rel=1e-5)  # token-weighted over the batch
@@ -103,19 +108,6 @@ def test_the_clip_applies_to_the_scaled_gradient():
     groups = _batch()
     want = _whole_batch(policy, ref, groups, "grpo", "token-mean")
     clip = want["grad/norm"] / 2
-    model = copy.deepcopy(policy)
-    trainer = PolicyTrainer(model, ref, lr=1e-3, grad_clip=clip,
-                            loss=LossSettings(kl_coef=KL_COEF, kl_kind="k3"))
-    seen = {}
-    step = trainer.optimizer.step
-
-    def capture(*args, **kwargs):
-        seen["norm"] = float(torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())))
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = capture
-    for g in groups:
-        trainer.micro_step([g])
-    figures = trainer.optimizer_step()
+    figures, grads = _accumulate(policy, ref, groups, LossSettings(kl_coef=KL_COEF, kl_kind="k3"), grad_clip=clip)
     assert figures["grad/norm"] == pytest.approx(want["grad/norm"], rel=1e-4)  # the norm before clipping
-    assert seen["norm"] == pytest.approx(clip, rel=1e-4)
+    assert float(torch.sqrt(sum((g**2).sum() for g in grads))) == pytest.approx(clip, rel=1e-4)

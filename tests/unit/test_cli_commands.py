@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from configs.schema import ConfigError, load_config, resolved_json
 from flows import cli
 from storage.datasets import DatasetError
 from tests.cli_output import cli_stderr, squash
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ARITH = str(REPO / "configs" / "arith-tiny.yaml")
@@ -195,9 +195,7 @@ def test_report_with_an_unreachable_tracking_server_fails_in_seconds(lake_with_r
     # urllib3's retry warnings reach the root logger, where an in-process flow of an earlier test left Prefect's
     # console handler writing to that test's closed capture ("--- Logging error ---"); the CLI's own line is checked
     caplog.set_level(logging.ERROR, logger="urllib3")
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     config = load_config(None, ["run.run_id=r1", f"tracking.uri=http://127.0.0.1:{port}"])
     (lake_with_run / "runs" / "r1" / "config.json").write_text(resolved_json(config))
@@ -223,9 +221,7 @@ def test_serve_with_a_bad_config_exits_2(monkeypatch, capsys, api_url):
 
 
 def test_serve_with_an_unreachable_prefect_api(tmp_path):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "serve", ARITH], cwd=tmp_path, env=env,

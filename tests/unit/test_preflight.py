@@ -9,7 +9,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from flows import cli
 from models.tiny import ModelDirError, build_char_tokenizer, build_tiny_model, check_model_dir, load_hf, save_hf
 from tasks.preflight import InputError, check_backend, check_inputs, check_prefect_api, check_tracking
 from tests.cli_output import cli_stderr, squash
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ARITH = str(REPO / "configs" / "arith-tiny.yaml")
@@ -202,12 +202,6 @@ def test_cli_train_csv_dataset_exits_2(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:  # a port nothing listens on once the socket closes
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def http_server(status: int, body: bytes):
     """A local HTTP server answering every GET with `status` and `body`: something that answers but is not a
@@ -246,7 +240,7 @@ def test_prefect_api_that_is_not_an_url():
 
 
 def test_prefect_api_that_does_not_answer():
-    url = f"http://127.0.0.1:{_free_port()}/api"
+    url = f"http://127.0.0.1:{free_port()}/api"
     msg = prefect_error(url)
     assert msg.startswith(f"the Prefect API at PREFECT_API_URL={url} is unreachable (ConnectError: ")
     assert msg.endswith("start it with `make services`, fix PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), or "
@@ -276,7 +270,7 @@ def test_cli_train_and_replay_with_an_unreachable_prefect_api_exit_2_before_any_
     import flows.replay
 
     monkeypatch.setattr(flows.replay, "replay_flow", lambda **kw: pytest.fail("the replay flow must not start"))
-    url = f"http://127.0.0.1:{_free_port()}/api"
+    url = f"http://127.0.0.1:{free_port()}/api"
     lake = tmp_path / "lake"
     with temporary_settings({PREFECT_API_URL: url}):
         assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}"]) == 2
@@ -303,7 +297,7 @@ def tracking_error(*overrides: str) -> str:
 def test_tracking_server_that_does_not_answer_fails_at_once(monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")  # MLflow's default: ~4 minutes of retries
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     msg = tracking_error(f"tracking.uri={url}")
     assert time.monotonic() - t0 < 30  # one attempt (0.02 s here), not the run's retries
@@ -331,7 +325,7 @@ def test_tracking_sqlite_store_passes_and_disabled_tracking_is_not_opened(tmp_pa
 def test_cli_train_with_an_unreachable_tracking_server_exits_2_before_the_run_is_written(tmp_path, capsys):
     # the real flow: open_session checks the store before it writes the run and spends minutes on the bootstrap
     lake = tmp_path / "lake"
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}", "-o", f"tracking.uri={url}"]) == 2
     assert squash(f"error: tracking.uri '{url}' cannot be used (MlflowException:") in cli_stderr(capsys)
     assert not list(lake.rglob("*.json")), "nothing of the run may be written"
