@@ -1,6 +1,8 @@
 """Failpoints for the resilience tests: `LOCKSTEP_FAULT=name@n` SIGKILLs the process the n-th time it passes
 the point `name` (n defaults to 1); `name@n:TERM` sends SIGTERM instead (a polite stop: the CLI unwinds the run).
-Unset, a failpoint is a dictionary lookup. Several may be given, comma-separated.
+Unset, a failpoint is a dictionary lookup. Several may be given, comma-separated. A point passed with its
+iteration also answers to `name[k]@n`, counted over iteration k's passes only: `mid-train[1]@2` is the second
+micro-step of iteration 1 however many micro-steps iteration 0 had (that depends on how shards landed).
 
 Points: `shard-write` (a shard's bytes written under _tmp/, not yet published), `after-plan` (rollouts in
 flight), `mid-train` (after the first micro-step), `mid-checkpoint` (checkpoint files written, not yet moved
@@ -33,11 +35,12 @@ def _armed() -> dict[str, tuple[int, int]]:
     return out
 
 
-def point(name: str) -> None:
+def point(name: str, iteration: int | None = None) -> None:
     armed = _armed()
-    if name not in armed:
-        return
-    _passes[name] += 1
-    n, sig = armed[name]
-    if _passes[name] == n:
-        os.kill(os.getpid(), sig)
+    for key in (name, f"{name}[{iteration}]") if iteration is not None else (name,):
+        if key not in armed:
+            continue
+        _passes[key] += 1
+        n, sig = armed[key]
+        if _passes[key] == n:
+            os.kill(os.getpid(), sig)

@@ -203,7 +203,7 @@ class BatchSteps:
             ready, self.waiting[self.current] = self.waiting[self.current], []
             for mb in micro_batches(ready, self.budget, self.shared):
                 self.trainer.micro_step(mb, self.version, behavior_old=self.current > 0)
-                faults.point("mid-train")
+                faults.point("mid-train", iteration=self.version)  # version k is iteration k's batch
             self.done[self.current] += len(ready)
             if self.current == self.m - 1 or self.done[self.current] < self.size:
                 return

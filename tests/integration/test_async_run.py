@@ -29,7 +29,7 @@ def hold_trainer_until_batch_2_lands(monkeypatch, lake: Lake, run_id: str) -> li
     point, held = faults.point, []
     target = lake.iteration_rollouts(run_id, 0, 2)
 
-    def held_point(name: str) -> None:
+    def held_point(name: str, iteration: int | None = None) -> None:
         if name == "mid-train" and not held:
             held.append(True)
             deadline = time.monotonic() + 300
@@ -37,7 +37,7 @@ def hold_trainer_until_batch_2_lands(monkeypatch, lake: Lake, run_id: str) -> li
                 assert time.monotonic() < deadline, f"no shard of batch 2 on version 0 under {target} after 300 s"
                 time.sleep(0.05)
                 lake.fs.invalidate_cache(target)
-        point(name)
+        point(name, iteration)
 
     monkeypatch.setattr(faults, "point", held_point)
     return held

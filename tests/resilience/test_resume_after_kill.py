@@ -130,7 +130,7 @@ def api(reference) -> str:
 POINTS = [
     ("after-plan@2", -9),  # mid-rollout of iteration 1
     ("shard-write@3", 1),  # a rollout worker killed between writing a shard's bytes and publishing it
-    ("mid-train@6", -9),  # iteration 1 (4 micro-steps per iteration), after two of its micro-steps
+    ("mid-train[1]@2", -9),  # iteration 1, after two of its micro-steps
     ("mid-checkpoint@2", -9),  # checkpoint v2 written under _tmp, not moved into place
     ("before-promote@2", -9),  # checkpoint v2 complete, PROMOTED still says v1
     ("after-promote@1", -9),  # PROMOTED says v1, the ledger still says iteration 0 'trained'
@@ -141,7 +141,7 @@ POINTS = [
 @pytest.mark.parametrize("fault,exit_code", POINTS, ids=[p[0] for p in POINTS])
 def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code, api):
     tmp, ref_params = reference
-    run_id = "k-" + fault.replace("@", "-")
+    run_id = "k-" + fault.replace("@", "-").replace("[", "-").replace("]", "")
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
     code, log = _lockstep(["train", cfg], tmp, fault=fault, api=api)
     assert code == exit_code, log[-3000:]
@@ -194,7 +194,7 @@ def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference, api):
     run_id = "k-term"
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
     left: list[str] = []
-    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@6:TERM", survivors=left)
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train[1]@2:TERM", survivors=left)
     assert code == 130, log[-3000:]
     lake_uri = str(tmp / "lake")
     assert f"lockstep resume {run_id} --lake {lake_uri}" in log, log[-3000:]
@@ -228,7 +228,7 @@ def test_damaged_shards_are_quarantined_and_regenerated(reference, api):
     tmp, ref_params = reference
     run_id = "k-damaged"
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
-    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@6", api=api)
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train[1]@2", api=api)
     assert code == -9, log[-3000:]
     lake_uri = str(tmp / "lake")
     lake = Lake(lake_uri)
@@ -264,7 +264,7 @@ def test_async_run_killed_mid_train_resumes_within_the_staleness_bound(reference
     iters = 5
     cfg = write_config(tmp, run_id, {"run.iterations": iters, "pipeline.mode": "async", "pipeline.max_staleness": 2,
                                      "rollout.interrupt_on_update": True, "algorithm.prox_logp": "recompute"})
-    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@10", api=api)  # iteration 2, after 2 of its 4 micro-steps
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train[2]@2", api=api)  # iteration 2, after 2 of its micro-steps
     assert code == -9, log[-3000:]
     lake = Lake(str(tmp / "lake"))
     assert [r["state"] for r in ledger.read_all(lake, run_id)][:2] == ["promoted", "promoted"]
@@ -297,7 +297,7 @@ def test_rollouts_of_a_version_that_never_became_durable_are_set_aside(reference
     tmp, ref_params = reference
     run_id = "k-undurable"
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
-    code, log = _lockstep(["train", cfg], tmp, fault="mid-train@10", api=api)  # iteration 2, after 2 of its 4 micro-steps
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train[2]@2", api=api)  # iteration 2, after 2 of its micro-steps
     assert code == -9, log[-3000:]
     lake_uri = str(tmp / "lake")
     lake = Lake(lake_uri)

@@ -43,3 +43,27 @@ def test_unknown_signal_names_the_spec(monkeypatch, sent):
     with pytest.raises(ValueError, match=r"LOCKSTEP_FAULT='mid-train@2:HUP': signal 'HUP' of 'mid-train' is not one of"):
         faults.point("mid-train")
     assert sent == []
+
+
+def test_iteration_point_counts_that_iteration_only(monkeypatch, sent):
+    """`mid-train[1]@2` fires on the second pass in iteration 1, whatever the passes of iteration 0; the plain
+    name still counts every pass."""
+    monkeypatch.setenv("LOCKSTEP_FAULT", "mid-train[1]@2")
+    for _ in range(5):
+        faults.point("mid-train", iteration=0)
+    faults.point("mid-train")  # no iteration given: not counted for [1]
+    faults.point("mid-train", iteration=1)
+    assert sent == []
+    faults.point("mid-train", iteration=1)
+    assert [sig for _, sig in sent] == [signal.SIGKILL]
+    faults.point("mid-train", iteration=1)
+    faults.point("mid-train", iteration=2)
+    assert len(sent) == 1
+
+
+def test_plain_and_iteration_points_both_armed(monkeypatch, sent):
+    monkeypatch.setenv("LOCKSTEP_FAULT", "mid-train@3:TERM,mid-train[0]@1")
+    faults.point("mid-train", iteration=0)  # [0]@1 fires; the plain count is 1
+    faults.point("mid-train", iteration=1)
+    faults.point("mid-train", iteration=1)  # plain count 3
+    assert [sig for _, sig in sent] == [signal.SIGKILL, signal.SIGTERM]
