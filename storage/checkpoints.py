@@ -22,7 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from storage import faults
-from storage.lake import Lake, atomic_write_bytes, atomic_write_json, read_json
+from storage.lake import Lake, atomic_write_bytes, atomic_write_json, fsync_dir, read_json
 
 WEIGHTS = "model.safetensors"
 PRUNED_MARK = "trainer_state/OPTIMIZER_PRUNED"  # listed in the manifest once the optimizer state is pruned
@@ -108,6 +108,18 @@ def _write_model_dir(local: str, model, tokenizer, snap: TrainerSnapshot, extra_
     Path(local, "MANIFEST.json").write_bytes(_manifest_bytes(manifest))
 
 
+def _fsync_tree(root: str) -> None:
+    """Every file and folder under the local folder `root` on disk (before the rename that publishes it)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(folder)
+
+
 def _manifest_bytes(manifest: dict[str, str]) -> bytes:
     return json.dumps(manifest, indent=1, sort_keys=True).encode()
 
@@ -134,11 +146,13 @@ def save_model_dir(
         os.makedirs(tmp, exist_ok=True)
         try:
             _write_model_dir(tmp, model, tokenizer, snap, extra_state)
+            _fsync_tree(tmp)  # a power cut after the rename must not leave v{n} with files not yet on disk
             faults.point("mid-checkpoint")
             if fs.exists(final):  # an earlier attempt finished the move but was not promoted: replace it
                 shutil.rmtree(final)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(tmp, final)
+            fsync_dir(os.path.dirname(final))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
@@ -179,20 +193,29 @@ def verify_checkpoint(lake: Lake, path: str) -> None:
     _verify_files(lake.fs, path)
 
 
-def _verify_files(fs, path: str) -> None:
+def _read_manifest(fs, path: str) -> dict[str, str]:
     manifest_path = f"{path}/MANIFEST.json"
     if not fs.exists(manifest_path):
         raise CheckpointError(f"checkpoint {path} has no MANIFEST.json (incomplete write)")
     with fs.open(manifest_path, "rb") as f:
-        manifest = json.loads(f.read())
-    for rel, digest in manifest.items():
-        try:
-            with fs.open(f"{path}/{rel}", "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {path} is missing {rel}, listed in its manifest") from None
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise CheckpointError(f"checkpoint file {path}/{rel} does not match its manifest")
+        return json.loads(f.read())
+
+
+def _read_checked(fs, path: str, rel: str, digest: str) -> bytes:
+    """A checkpoint file's bytes, checked against its manifest digest."""
+    try:
+        with fs.open(f"{path}/{rel}", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is missing {rel}, listed in its manifest") from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(f"checkpoint file {path}/{rel} does not match its manifest")
+    return data
+
+
+def _verify_files(fs, path: str) -> None:
+    for rel, digest in _read_manifest(fs, path).items():
+        _read_checked(fs, path, rel, digest)
 
 
 def promote(lake: Lake, run_id: str, version: int) -> None:
@@ -253,13 +276,17 @@ def prune_optimizer_state(lake: Lake, run_id: str, version: int) -> bool:
 
     A marker file is written, then the manifest is replaced atomically (the optimizer files out, the marker in:
     the one point where the checkpoint changes), then the files go. A crash anywhere leaves at most unlisted
-    files, never a checkpoint that fails its manifest. Such a version can still be exported, replayed against
-    and audited, but not resumed from."""
+    files, never a checkpoint that fails its manifest; a crash after the manifest was replaced leaves the files
+    unlisted, and the next call for this version removes them (True). Such a version can still be exported,
+    replayed against and audited, but not resumed from."""
     fs, path = lake.fs, lake.checkpoint_dir(run_id, version)
     names = ("trainer_state/optimizer.safetensors", "trainer_state/optimizer.json")
     manifest = read_json(lake, f"{path}/MANIFEST.json")
     if names[0] not in manifest:
-        return False
+        left = [n for n in names if PRUNED_MARK in manifest and fs.exists(f"{path}/{n}")]
+        for name in left:  # a prune stopped after its manifest: the files it had unlisted
+            fs.rm(f"{path}/{name}")
+        return bool(left)
     marker = b"optimizer state pruned by lake.keep_optimizer_state\n"
     atomic_write_bytes(lake, run_id, f"{path}/{PRUNED_MARK}", marker)
     for name in names:
@@ -270,6 +297,13 @@ def prune_optimizer_state(lake: Lake, run_id: str, version: int) -> bool:
         if fs.exists(f"{path}/{name}"):
             fs.rm(f"{path}/{name}")
     return True
+
+
+def retain_optimizer_state(lake: Lake, run_id: str, version: int, keep: int) -> list[int]:
+    """After promoting v{version}: the newest `keep` versions (the promoted one among them) keep their optimizer
+    state; v{version - keep} loses it, and so does the version before it if a crash cut its prune short after
+    the manifest (its files are then unlisted leftovers). Returns the versions whose files were removed."""
+    return [v for v in range(max(version - keep - 1, 0), version - keep + 1) if prune_optimizer_state(lake, run_id, v)]
 
 
 def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
@@ -305,14 +339,14 @@ def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
 
 def export_hf(lake: Lake, path: str, out_dir: str) -> str:
     """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) to a local directory, without the
-    trainer state; every file is checked against the manifest on the way.
+    trainer state; each file is checked against the manifest as it is copied (the bytes checked are the bytes
+    written: a file changed between a check and a copy cannot slip through, and a remote lake is read once).
 
     The files are written to a hidden folder and moved into place when all are written, so a failed export (disk
     full, a quota) leaves no directory that looks like a model: for a new target the folder is beside it and
     renamed to it; an existing empty target (a mount point, a symlink, the working directory: it cannot be
     replaced) holds the folder, whose files are moved up, and stays empty on failure."""
-    verify_checkpoint(lake, path)
-    manifest = read_json(lake, f"{path}/MANIFEST.json")
+    manifest = _read_manifest(lake.fs, path)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out_dir} is a file; choose a new directory")
@@ -328,14 +362,16 @@ def export_hf(lake: Lake, path: str, out_dir: str) -> str:
             if rel.startswith("trainer_state/"):
                 continue
             (stage / rel).parent.mkdir(parents=True, exist_ok=True)
-            with lake.fs.open(f"{path}/{rel}", "rb") as f:
-                (stage / rel).write_bytes(f.read())
+            (stage / rel).write_bytes(_read_checked(lake.fs, path, rel, manifest[rel]))
+        _fsync_tree(str(stage))
         if existing:
             for entry in stage.iterdir():
                 os.replace(entry, out / entry.name)
             stage.rmdir()
+            fsync_dir(str(out))
         else:
             os.replace(stage, out)
+            fsync_dir(str(out.parent))
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import time
 import uuid
@@ -102,16 +103,32 @@ class Lake:
         return path if protocol in ("file", "local") else f"{protocol}://{path.lstrip('/')}"
 
 
+def fsync_dir(path: str) -> None:
+    """Make a rename into (or a file created in) the local folder `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(lake: Lake, run_id: str, path: str, data: bytes) -> None:
-    """Write `data` to `path` so that readers see either nothing or the whole file."""
+    """Write `data` to `path` so that readers see either nothing or the whole file. On a local lake the bytes
+    reach the disk before the rename publishes them, and the rename before this returns: after a power cut the
+    file is the old one or the new one, never a new name over missing data (object stores publish whole objects)."""
     fs = lake.fs
     tmp = lake.tmp_path(run_id, path.rsplit("/", 1)[-1])
     fs.makedirs(tmp.rsplit("/", 1)[0], exist_ok=True)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(tmp, "wb") as f:
         f.write(data)
+        if lake.is_local:
+            f.flush()
+            os.fsync(f.fileno())
     faults.point("shard-write" if path.endswith(".arrow") else "file-write")
     fs.mv(tmp, path)
+    if lake.is_local:
+        fsync_dir(path.rsplit("/", 1)[0])
 
 
 def atomic_write_json(lake: Lake, run_id: str, path: str, obj: Any) -> None:

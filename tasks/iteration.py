@@ -363,8 +363,8 @@ def _save_and_promote(s, iteration: int, version: int, snap: checkpoints.Trainer
                                 reason=f"checkpoint v{version}: {type(e).__name__}: {e}"[:2000])
         raise
     keep = s.cfg.lake.keep_optimizer_state
-    if keep and version - keep >= 0:  # the newest `keep` versions, the promoted one among them, keep theirs
-        checkpoints.prune_optimizer_state(s.lake, run_id, version - keep)
+    if keep:
+        checkpoints.retain_optimizer_state(s.lake, run_id, version, keep)
     if s.cfg.pipeline.mode == "async":  # serving workers load it between chunks (or decoding steps)
         s.pool.announce(version, s.lake.checkpoint_dir(run_id, version))
     ledger.write_record(s.lake, run_id, iteration, "promoted", promoted_version=version)

@@ -96,9 +96,13 @@ class RunSession:
         """Block until the background checkpoint (of `version` or older; any if None) is promoted, starting it if
         it was held; raise its error."""
         self._start_save()
-        if self.saving is not None and (version is None or self.saving[0] <= version):
-            pending, self.saving = self.saving, None
-            pending[1].result()
+        pending = self.saving
+        if pending is not None and (version is None or pending[0] <= version):
+            try:
+                pending[1].result()
+            finally:  # cleared only once the write has ended: an audit task that looks at `saving` meanwhile
+                if self.saving is pending:  # must see the write in flight and wait for it (its ledger record)
+                    self.saving = None
 
     def close(self) -> None:
         try:

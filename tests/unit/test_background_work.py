@@ -58,3 +58,25 @@ def test_wait_saved_for_an_older_version_does_not_wait_for_a_newer_write():
     s.wait_saved(version=3)
     assert s.saving is None
     _shutdown(s)
+
+
+def test_a_write_being_awaited_stays_visible_until_it_ends():
+    """The audit task waits for the write it finds in `saving` (the ledger record it annotates must be final). The
+    flow's own `wait_saved` (at the end of a run, or before an optimizer step) must not hide a write still in
+    flight from it: an audit that saw nothing annotated the record while the write was promoting it, and its
+    stale copy replaced 'promoted' with 'trained' (seen once in the resilience tests)."""
+    s = _session()
+    gate = threading.Event()
+    s.save_in_background(4, gate.wait)
+    waiter = threading.Thread(target=s.wait_saved, daemon=True)
+    waiter.start()
+    waiter.join(0.2)
+    try:
+        assert waiter.is_alive()  # the flow is waiting for the write
+        found = s.saving  # what an audit finds meanwhile
+        assert found is not None and found[0] == 4 and not found[1].done()
+    finally:
+        gate.set()
+    waiter.join(5)
+    assert not waiter.is_alive() and s.saving is None
+    _shutdown(s)

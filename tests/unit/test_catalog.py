@@ -1,22 +1,25 @@
 """The LanceDB audit catalog: upserts on stable ids (a retried write never duplicates), indexed merge keys, version
-tags."""
+tags that show the rows of their version, one catalog per run (none on memory://), filtered queries, compaction
+every `compact_every` versions (0: never)."""
 
 from __future__ import annotations
 
 import lancedb
 import pyarrow as pa
+import pytest
 
 from storage import catalog
+from storage.lake import Lake
 
 
-def _samples(iteration: int, reward: float) -> pa.Table:
-    ids = [f"r/{iteration}/{g}/{j}" for g in range(4) for j in range(8)]
+def _samples(iteration: int, reward: float = 0.5, run: str = "r") -> pa.Table:
+    ids = [f"{run}/{iteration}/{g}/{j}" for g in range(4) for j in range(8)]
     return pa.table({"sample_id": ids, "iteration": [iteration] * len(ids), "reward": [reward] * len(ids),
                      "prompt_ids": [[1, 2, 3]] * len(ids)})
 
 
-def _shards(iteration: int) -> pa.Table:
-    return pa.table({"path": [f"s/{iteration}/{i}.arrow" for i in range(2)], "rows": [16, 16]})
+def _shards(iteration: int, run: str = "r") -> pa.Table:
+    return pa.table({"path": [f"{run}/s/{iteration}/{i}.arrow" for i in range(2)], "rows": [16, 16]})
 
 
 def test_upserts_index_the_merge_key_and_never_duplicate(tmp_path):
@@ -38,3 +41,69 @@ def test_upserts_index_the_merge_key_and_never_duplicate(tmp_path):
         assert [(i.index_type, i.columns) for i in table.list_indices()] == [("BTree", [key])]
         assert {"v1", "v2"} <= set(table.tags.list())
     assert catalog.query(uri, catalog.ROLLOUTS, where="iteration = 1", limit=5).num_rows == 5
+
+
+def _fragments(uri: str, name: str) -> int:
+    return lancedb.connect(uri).open_table(name).stats()["fragment_stats"]["num_fragments"]
+
+
+def test_each_run_of_a_lake_has_a_catalog_of_its_own(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    uris = {run: catalog.catalog_uri(lake, run) for run in ("a", "b")}
+    assert uris == {run: f"{lake.run_dir(run)}/catalog" for run in ("a", "b")}
+    for run, uri in uris.items():
+        catalog.write_iteration(uri, _samples(0, run=run), _shards(0, run=run), version=1)
+    for run, uri in uris.items():
+        rows = catalog.query(uri).to_pylist()
+        assert len(rows) == 32 and {r["sample_id"].split("/")[0] for r in rows} == {run}
+
+
+def test_a_memory_lake_has_no_catalog():
+    """LanceDB cannot write memory://: the catalog step is skipped instead of failing the iteration."""
+    assert catalog.catalog_uri(Lake("memory://lockstep-no-catalog"), "a") is None
+
+
+def test_query_filters_rows_and_selects_columns(tmp_path):
+    uri = str(tmp_path / "catalog")
+    for k in (0, 1):
+        catalog.write_iteration(uri, _samples(k), _shards(k), version=k + 1)
+    rows = catalog.query(uri, where="iteration = 1")
+    assert rows.num_rows == 32 and set(rows.column("iteration").to_pylist()) == {1}
+    narrow = catalog.query(uri, columns=["sample_id"])
+    assert narrow.column_names == ["sample_id"] and narrow.num_rows == 64
+
+
+def test_a_version_tag_shows_the_rows_of_that_version(tmp_path):
+    """`v{version}` is taken after the iteration's upserts: checking it out gives the catalog as it was when that
+    version was promoted."""
+    uri = str(tmp_path / "catalog")
+    for k in (0, 1):
+        catalog.write_iteration(uri, _samples(k), _shards(k), version=k + 1)
+    db = lancedb.connect(uri)
+    for name, per_version in ((catalog.ROLLOUTS, 32), (catalog.SHARDS, 2)):
+        table = db.open_table(name)
+        for v in (1, 2):
+            table.checkout(f"v{v}")
+            assert table.count_rows() == per_version * v, (name, v)
+
+
+@pytest.mark.parametrize("compact_every", [3, 0])
+def test_compaction_every_n_versions_and_never_with_zero(tmp_path, compact_every):
+    uri = str(tmp_path / "catalog")
+    fragments = []
+    for k in range(3):
+        catalog.write_iteration(uri, _samples(k), _shards(k), version=k + 1, compact_every=compact_every)
+        fragments.append(_fragments(uri, catalog.ROLLOUTS))
+    # each upsert adds a fragment; the compaction after version 3, and only it, merges some of them
+    assert fragments[:2] == [1, 2]
+    assert fragments[2] < 3 if compact_every else fragments[2] == 3
+    assert catalog.query(uri).num_rows == 96
+
+
+def test_a_query_of_a_table_not_written_yet_names_it(tmp_path):
+    """A catalog whose first rollouts write never happened (a crash during it) is reported as such, not as LanceDB's
+    error."""
+    uri = str(tmp_path / "catalog")
+    lancedb.connect(uri).create_table(catalog.SHARDS, _shards(0))
+    with pytest.raises(FileNotFoundError, match=f"the catalog at {uri} has no table 'rollouts'"):
+        catalog.query(uri)

@@ -30,6 +30,7 @@ from storage.shards import (
     table_to_records,
     write_shard,
 )
+from tests.half_writes import fail_writes_half_way
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "run-a"
@@ -200,37 +201,12 @@ def test_failed_rename_leaves_nothing_published(request, monkeypatch, lake_kind)
 def test_writer_dying_mid_write_leaves_nothing_published(request, monkeypatch, lake_kind):
     lake = request.getfixturevalue(f"{lake_kind}_lake")
     fs = lake.fs
-    real_open = type(fs).open
-    seen = {}
-
-    class HalfWriter:
-        """Writes the first half of what it is given, then fails, as a crash or full disk would."""
-
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-            return False
-
-        def write(self, data):
-            self.f.write(data[: len(data) // 2])
-            seen["partial"] = len(data) // 2
-            raise OSError("injected failure mid-write")
-
-    def open_(self, path, mode="rb", **kwargs):
-        f = real_open(self, path, mode, **kwargs)
-        return HalfWriter(f) if "w" in mode else f
-
-    monkeypatch.setattr(type(fs), "open", open_)
+    partial = fail_writes_half_way(monkeypatch, fs)
     path = shard_path(lake)
     with pytest.raises(OSError, match="mid-write"):
         write_shard(lake, RUN, path, make_records())
     monkeypatch.undo()
-    assert seen["partial"] > 0  # the injected failure really happened after bytes were written
+    assert partial and partial[0] > 0  # the injected failure really happened after bytes were written
     assert not fs.exists(path)
     assert _listing(lake, path.rsplit("/", 1)[0]) == []
 
