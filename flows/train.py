@@ -27,6 +27,7 @@ from tasks.iteration import (
     audit_task,
     catalog_iteration,
     evaluate_task,
+    mark_failed,
     plan_task,
     promote_task,
     rollout_task,
@@ -269,9 +270,7 @@ def _fail_iteration(s: RunSession, k: int, error: BaseException) -> None:
     promoted; marked failed, that record could never become promoted, and resume would skip the iteration's audit."""
     if s.version > k:
         return
-    rec = ledger.read_record(s.lake, s.run_id, k)
-    if rec is not None and rec["state"] not in ("promoted", "failed"):
-        ledger.write_record(s.lake, s.run_id, k, "failed", reason=f"{type(error).__name__}: {error}"[:2000])
+    mark_failed(s, k, f"{type(error).__name__}: {error}")
 
 
 def _stop_serving(s: RunSession, serving: list) -> None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -307,26 +306,30 @@ def retain_optimizer_state(lake: Lake, run_id: str, version: int, keep: int) -> 
 
 
 def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
-    """A local directory with the checkpoint (the path itself on a local lake), for `from_pretrained`.
+    """A local directory with the checkpoint's model files (the path itself on a local lake), for
+    `from_pretrained` and vLLM.
 
-    The copy is named by the checkpoint's URL and manifest, so a re-created run or another lake never reuses it,
-    and is downloaded into a private folder, checked against the manifest and only then renamed into place: a
-    download cut short (a killed process) or two processes copying at once never leave a partial copy to be
-    loaded."""
+    Only the Hugging Face files are copied, not `trainer_state/` (2/3 of a checkpoint with AdamW's moments, and the
+    part a later promotion may prune while a worker copies), each checked against the manifest read first as it
+    is written; the copy's own MANIFEST lists what it holds. The copy is named by the checkpoint's URL and
+    manifest, so a re-created run or another lake never reuses it, and is written into a private folder and only
+    then renamed into place: a download cut short (a killed process) or two processes copying at once never leave
+    a partial copy to be loaded."""
     if lake.is_local:
         return path
     try:
-        manifest = lake.fs.cat_file(f"{path}/MANIFEST.json")
+        manifest_bytes = lake.fs.cat_file(f"{path}/MANIFEST.json")
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {lake.url(path)} has no MANIFEST.json (incomplete write)") from None
-    key = hashlib.sha256(lake.url(path).encode() + b"\0" + manifest).hexdigest()[:16]
+    key = hashlib.sha256(lake.url(path).encode() + b"\0" + manifest_bytes).hexdigest()[:16]
     dest = os.path.join(cache_dir, f"lockstep-ckpt-{key}")
     if os.path.isdir(dest):  # only complete, checked copies are ever renamed to this name
         return dest
-    part = f"{dest}.part-{os.getpid()}-{time.time_ns()}"
+    part = Path(f"{dest}.part-{os.getpid()}-{time.time_ns()}")
+    part.mkdir()
     try:
-        lake.fs.get(path, part, recursive=True)
-        _verify_files(LocalFileSystem(), part)
+        copied = _copy_model_files(lake.fs, path, json.loads(manifest_bytes), part)
+        (part / "MANIFEST.json").write_bytes(_manifest_bytes(copied))
         try:
             os.rename(part, dest)
         except OSError:
@@ -337,10 +340,23 @@ def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
     return dest
 
 
+def _copy_model_files(fs, path: str, manifest: dict[str, str], out: Path) -> dict[str, str]:
+    """The checkpoint's Hugging Face files (all but `trainer_state/`) into the local folder `out`, each checked
+    against `manifest` as it is copied (the bytes checked are the bytes written: a file changed between a check
+    and a copy cannot slip through, and a remote lake is read once); returns their manifest entries."""
+    copied = {}
+    for rel, digest in manifest.items():
+        if rel.startswith("trainer_state/"):
+            continue
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(_read_checked(fs, path, rel, digest))
+        copied[rel] = digest
+    return copied
+
+
 def export_hf(lake: Lake, path: str, out_dir: str) -> str:
     """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) to a local directory, without the
-    trainer state; each file is checked against the manifest as it is copied (the bytes checked are the bytes
-    written: a file changed between a check and a copy cannot slip through, and a remote lake is read once).
+    trainer state; each file is checked against the manifest as it is copied (`_copy_model_files`).
 
     The files are written to a hidden folder and moved into place when all are written, so a failed export (disk
     full, a quota) leaves no directory that looks like a model: for a new target the folder is beside it and
@@ -358,11 +374,7 @@ def export_hf(lake: Lake, path: str, out_dir: str) -> str:
     stage = out / stage_name if existing else out.parent / stage_name
     stage.mkdir()
     try:
-        for rel in manifest:
-            if rel.startswith("trainer_state/"):
-                continue
-            (stage / rel).parent.mkdir(parents=True, exist_ok=True)
-            (stage / rel).write_bytes(_read_checked(lake.fs, path, rel, manifest[rel]))
+        _copy_model_files(lake.fs, path, manifest, stage)
         _fsync_tree(str(stage))
         if existing:
             for entry in stage.iterdir():

@@ -348,7 +348,8 @@ def promote_task(run_id: str, iteration: int) -> dict:
 
 def _save_and_promote(s, iteration: int, version: int, snap: checkpoints.TrainerSnapshot) -> None:
     """Write checkpoint v{version} from `snap`, verify and promote it, prune old optimizer state, record it. A
-    failure marks the iteration failed (the previous version stays promoted) and is raised."""
+    failure before PROMOTED is written marks the iteration failed (the previous version stays promoted); after
+    it, the record stays 'trained' for resume to settle. Either way the error is raised."""
     run_id = s.run_id
     try:
         checkpoints.save_checkpoint(s.lake, run_id, version, s.trainer.model, s.tokenizer,
@@ -357,10 +358,7 @@ def _save_and_promote(s, iteration: int, version: int, snap: checkpoints.Trainer
         checkpoints.promote(s.lake, run_id, version)
         faults.point("after-promote")
     except Exception as e:
-        rec = ledger.read_record(s.lake, run_id, iteration)
-        if rec is not None and rec["state"] == "trained":
-            ledger.write_record(s.lake, run_id, iteration, "failed",
-                                reason=f"checkpoint v{version}: {type(e).__name__}: {e}"[:2000])
+        mark_failed(s, iteration, f"checkpoint v{version}: {type(e).__name__}: {e}")
         raise
     keep = s.cfg.lake.keep_optimizer_state
     if keep:
@@ -368,6 +366,23 @@ def _save_and_promote(s, iteration: int, version: int, snap: checkpoints.Trainer
     if s.cfg.pipeline.mode == "async":  # serving workers load it between chunks (or decoding steps)
         s.pool.announce(version, s.lake.checkpoint_dir(run_id, version))
     ledger.write_record(s.lake, run_id, iteration, "promoted", promoted_version=version)
+
+
+def mark_failed(s, iteration: int, reason: str) -> None:
+    """Mark iteration `iteration` failed (resume restarts it), unless it is past failing: its record promoted or
+    failed already, or its version promoted (PROMOTED written and then an error, before the ledger's update: the
+    record stays 'trained' and resume settles it as promoted; marked failed, it could never be, and the run would
+    go on from a version whose iteration the ledger calls failed and the catalog never indexes)."""
+    rec = ledger.read_record(s.lake, s.run_id, iteration)
+    if rec is None or rec["state"] in ("promoted", "failed"):
+        return
+    try:
+        promoted = checkpoints.promoted_version(s.lake, s.run_id)
+    except checkpoints.CheckpointError:  # PROMOTED unreadable: it cannot show this iteration's version promoted
+        promoted = None
+    if promoted is not None and promoted > iteration:
+        return
+    ledger.write_record(s.lake, s.run_id, iteration, "failed", reason=reason[:2000])
 
 
 @task(name="audit", cache_policy=NO_CACHE)

@@ -100,9 +100,9 @@ class RunSession:
         if pending is not None and (version is None or pending[0] <= version):
             try:
                 pending[1].result()
-            finally:  # cleared only once the write has ended: an audit task that looks at `saving` meanwhile
-                if self.saving is pending:  # must see the write in flight and wait for it (its ledger record)
-                    self.saving = None
+            finally:  # cleared only once the write has ended (not when a signal cut the wait short): an audit
+                if self.saving is pending and pending[1].done():  # task that looks at `saving` meanwhile must
+                    self.saving = None  # see the write in flight and wait for it (its ledger record)
 
     def close(self) -> None:
         try:

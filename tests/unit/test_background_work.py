@@ -3,6 +3,8 @@ releases them once the next iteration's rollouts are dispatched), and `wait_save
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
@@ -79,4 +81,35 @@ def test_a_write_being_awaited_stays_visible_until_it_ends():
         gate.set()
     waiter.join(5)
     assert not waiter.is_alive() and s.saving is None
+    _shutdown(s)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def test_a_wait_cut_short_by_a_signal_keeps_the_write_visible():
+    """Ctrl-C or SIGTERM can end `wait_saved` while the write goes on; the write must stay in `saving` (the audit
+    task the flow waits for on its way out still has to wait for it)."""
+    s = _session()
+    gate = threading.Event()
+
+    def stop(signum, frame):
+        raise _Stopped
+
+    previous = signal.signal(signal.SIGUSR1, stop)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        s.save_in_background(5, gate.wait)
+        timer.start()
+        with pytest.raises(_Stopped):
+            s.wait_saved()
+        found = s.saving
+        assert found is not None and found[0] == 5 and not found[1].done()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        gate.set()
+    s.wait_saved()
+    assert s.saving is None
     _shutdown(s)

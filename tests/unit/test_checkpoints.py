@@ -4,6 +4,7 @@ ledger's state machine refuses illegal transitions."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -479,23 +480,27 @@ def test_local_copy_of_a_remote_lake_is_never_partial(tiny_hf, tmp_path, monkeyp
     path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
     cache = tmp_path / "cache"
     cache.mkdir()
-    real_get_file = MemoryFileSystem.get_file
+    real_open = MemoryFileSystem.open
 
-    def cut_at_weights(self, rpath, lpath, *args, **kwargs):
+    def cut_at_weights(self, rpath, mode="rb", *args, **kwargs):
         if rpath.endswith("model.safetensors"):
             raise ConnectionResetError("cut mid-download")
-        return real_get_file(self, rpath, lpath, *args, **kwargs)
+        return real_open(self, rpath, mode, *args, **kwargs)
 
-    monkeypatch.setattr(MemoryFileSystem, "get_file", cut_at_weights)
+    monkeypatch.setattr(MemoryFileSystem, "open", cut_at_weights)
     with pytest.raises(ConnectionResetError):
         local_copy(lake, path, str(cache))
-    assert os.listdir(cache) == []  # not a MANIFEST.json-only folder that the next call would take as complete
-    monkeypatch.setattr(MemoryFileSystem, "get_file", real_get_file)
+    assert os.listdir(cache) == []  # not a folder without weights that the next call would take as complete
+    monkeypatch.setattr(MemoryFileSystem, "open", real_open)
     copy = local_copy(lake, path, str(cache))
     assert os.listdir(cache) == [os.path.basename(copy)]
     manifest = json.loads(Path(copy, "MANIFEST.json").read_text())
     assert sorted(str(p.relative_to(copy)) for p in Path(copy).rglob("*") if p.is_file()) == sorted(
         [*manifest, "MANIFEST.json"])
+    # the model's files with their digests, not the trainer state (most of a checkpoint with optimizer moments)
+    source = json.loads(lake.fs.cat_file(f"{path}/MANIFEST.json"))
+    assert manifest == {k: v for k, v in source.items() if not k.startswith("trainer_state/")}
+    assert "model.safetensors" in manifest and any(k.startswith("trainer_state/") for k in source)
     assert local_copy(lake, path, str(cache)) == copy  # reused
 
     train_steps(tiny_hf.model)  # the same run id and version saved again with other weights
@@ -513,14 +518,14 @@ def test_local_copy_refuses_a_download_that_does_not_match_the_manifest(tiny_hf,
 
     lake = Lake(f"memory://local-copy-bad-{tmp_path.name}")
     path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
-    real_get_file = MemoryFileSystem.get_file
+    real_open = MemoryFileSystem.open
 
-    def corrupt_config(self, rpath, lpath, *args, **kwargs):
-        real_get_file(self, rpath, lpath, *args, **kwargs)
+    def corrupt_config(self, rpath, mode="rb", *args, **kwargs):
         if rpath.endswith("/config.json"):
-            Path(lpath).write_text("{}")
+            return io.BytesIO(b"{}")  # what a damaged transfer would deliver
+        return real_open(self, rpath, mode, *args, **kwargs)
 
-    monkeypatch.setattr(MemoryFileSystem, "get_file", corrupt_config)
+    monkeypatch.setattr(MemoryFileSystem, "open", corrupt_config)
     with pytest.raises(CheckpointError, match="config.json does not match its manifest"):
         local_copy(lake, path, str(tmp_path))
     assert not [p for p in os.listdir(tmp_path) if p.startswith("lockstep-ckpt-")]

@@ -328,10 +328,14 @@ def test_a_local_copy_is_reused_without_downloading_again(tiny_hf, memory_lake, 
     path = save_checkpoint(memory_lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
     first = local_copy(memory_lake, path, str(tmp_path))
 
-    def offline(self, *args, **kwargs):
-        raise ConnectionError("downloaded again")
+    real_open = MemoryFileSystem.open
 
-    monkeypatch.setattr(MemoryFileSystem, "get_file", offline)
+    def offline(self, rpath, *args, **kwargs):  # only the manifest (the copy's key) may be read again
+        if not rpath.endswith("MANIFEST.json"):
+            raise ConnectionError(f"{rpath} downloaded again")
+        return real_open(self, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "open", offline)
     assert local_copy(memory_lake, path, str(tmp_path)) == first
 
 
@@ -341,16 +345,15 @@ def test_a_copy_another_process_finished_first_is_taken(tiny_hf, memory_lake, tm
     path = save_checkpoint(memory_lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
     cache = tmp_path / "cache"
     cache.mkdir()
-    real_get = MemoryFileSystem.get
+    real_rename = os.rename
     landed = []
 
-    def get_while_another_process_lands(self, rpath, lpath, *args, **kwargs):
-        real_get(self, rpath, lpath, *args, **kwargs)
-        dest = str(lpath).split(".part-")[0]
-        shutil.copytree(lpath, dest)  # the other process's checked copy, renamed into place meanwhile
-        landed.append(dest)
+    def rename_after_another_process(src, dst):
+        shutil.copytree(src, dst)  # the other process's checked copy, renamed into place first
+        landed.append(str(dst))
+        real_rename(src, dst)  # fails: the name is taken
 
-    monkeypatch.setattr(MemoryFileSystem, "get", get_while_another_process_lands)
+    monkeypatch.setattr(os, "rename", rename_after_another_process)
     copy_dir = local_copy(memory_lake, path, str(cache))
     monkeypatch.undo()
     assert landed == [copy_dir]
