@@ -132,12 +132,15 @@ def save_model_dir(
     optimizer: torch.optim.Optimizer | None = None,
     extra_state: dict | None = None,
     snap: TrainerSnapshot | None = None,
+    keep_existing: bool = False,
 ) -> str:
     """Write a complete HF directory (weights, tokenizer, trainer state, MANIFEST) to `final` through `tmp`;
     the tensors of `snap` if given (`model` and `optimizer` as they are now otherwise).
 
     Files go to the temporary path first and are moved into place as a whole: a crash leaves at most a stray
-    temporary folder, never a half-written directory under its final name.
+    temporary folder, never a half-written directory under its final name. A complete directory already at
+    `final` is replaced (an earlier attempt that was not promoted), or with `keep_existing` kept and this write
+    dropped (a folder shared by runs, named by its content's key, which another run may be loading).
     """
     snap = snap or snapshot(model, optimizer)
     fs = lake.fs
@@ -147,10 +150,17 @@ def save_model_dir(
             _write_model_dir(tmp, model, tokenizer, snap, extra_state)
             _fsync_tree(tmp)  # a power cut after the rename must not leave v{n} with files not yet on disk
             faults.point("mid-checkpoint")
-            if fs.exists(final):  # an earlier attempt finished the move but was not promoted: replace it
+            if fs.exists(final):
+                if keep_existing and fs.exists(f"{final}/MANIFEST.json"):
+                    return final
                 shutil.rmtree(final)
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError:  # a directory landed there meanwhile (os.replace never replaces a non-empty one)
+                if not (keep_existing and fs.exists(f"{final}/MANIFEST.json")):
+                    raise
+                return final
             fsync_dir(os.path.dirname(final))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -158,6 +168,8 @@ def save_model_dir(
     with tempfile.TemporaryDirectory(prefix="lockstep-ckpt-") as local:
         _write_model_dir(local, model, tokenizer, snap, extra_state)
         if fs.exists(final):
+            if keep_existing and fs.exists(f"{final}/MANIFEST.json"):
+                return final
             fs.rm(final, recursive=True)
         fs.put(local, tmp, recursive=True)
         fs.mv(tmp, final, recursive=True)

@@ -262,8 +262,9 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
         stats = sft(model, seqs, steps=b.steps, batch_size=b.batch_size, lr=b.lr, seed=cfg.run.seed,
                     pad_token_id=tokenizer.pad_token_id, on_progress=on_progress, stop_when=stop_when,
                     check_every=b.check_every)
+    # another run with the same key may have built it meanwhile and be loading it: keep that one
     checkpoints.save_model_dir(lake, final, f"{lake.root}/_tmp/bootstrap-{bootstrap_key(cfg)}-{time.time_ns()}",
-                               model, tokenizer, extra_state={"bootstrap": stats})
+                               model, tokenizer, extra_state={"bootstrap": stats}, keep_existing=True)
     return final, False
 
 

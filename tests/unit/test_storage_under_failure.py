@@ -20,7 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from transformers import AutoModelForCausalLM
 
-from storage import faults, ledger
+from storage import checkpoints, faults, ledger
 from storage.checkpoints import (
     CheckpointError,
     export_hf,
@@ -254,6 +254,45 @@ def test_a_remote_save_cut_mid_upload_leaves_no_directory_under_its_final_name(t
     monkeypatch.undo()
     assert uploaded  # files had been uploaded before the cut
     assert not memory_lake.fs.exists(memory_lake.checkpoint_dir(RUN, 1))
+
+
+@pytest.mark.parametrize("lake_kind", ["local", "memory"])
+def test_a_shared_folder_already_built_is_kept(request, tiny_hf, lake_kind):
+    """`keep_existing` (the bootstrap folder, shared by the runs of one key): a second build does not replace the
+    folder another run may be loading; the first build stays, whole."""
+    lake = request.getfixturevalue("lake" if lake_kind == "local" else "memory_lake")
+    final = f"{lake.root}/bootstrap/key"
+    model = tiny_hf.model
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    assert checkpoints.save_model_dir(lake, final, lake.tmp_path(RUN, "a"), model, tiny_hf.tokenizer,
+                                      keep_existing=True) == final
+    trained_optimizer(model)  # other weights
+    assert checkpoints.save_model_dir(lake, final, lake.tmp_path(RUN, "b"), model, tiny_hf.tokenizer,
+                                      keep_existing=True) == final
+    verify_checkpoint(lake, final)
+    kept = checkpoints.load_weights(lake, final)
+    assert all(torch.equal(kept[k], first[k]) for k in kept)
+    assert not lake.fs.exists(f"{lake.run_dir(RUN)}/_tmp") or lake.fs.ls(f"{lake.run_dir(RUN)}/_tmp") == []
+
+
+def test_a_shared_folder_that_lands_during_a_build_is_kept(tiny_hf, lake, monkeypatch):
+    """Two runs of one key building it at once: the one whose rename comes second keeps the other's folder."""
+    other = f"{lake.root}/other"
+    checkpoints.save_model_dir(lake, other, lake.tmp_path(RUN, "o"), tiny_hf.model, tiny_hf.tokenizer)
+    final = f"{lake.root}/bootstrap/key"
+    real_makedirs = os.makedirs
+
+    def makedirs(path, *args, **kwargs):  # the last step before the rename: the other run's rename comes first
+        real_makedirs(path, *args, **kwargs)
+        if path == os.path.dirname(final) and not os.path.exists(final):
+            shutil.copytree(other, final)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    trained_optimizer(tiny_hf.model)
+    assert checkpoints.save_model_dir(lake, final, lake.tmp_path(RUN, "b"), tiny_hf.model, tiny_hf.tokenizer,
+                                      keep_existing=True) == final
+    assert Path(final, "MANIFEST.json").read_bytes() == Path(other, "MANIFEST.json").read_bytes()
+    assert list(Path(lake.run_dir(RUN), "_tmp").iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------------ prune
