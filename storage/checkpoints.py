@@ -21,7 +21,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from storage import faults
-from storage.lake import Lake, atomic_write_bytes, atomic_write_json, fsync_dir, read_json
+from storage.lake import Lake, atomic_write_bytes, atomic_write_json, fsync_path, read_json
 
 WEIGHTS = "model.safetensors"
 PRUNED_MARK = "trainer_state/OPTIMIZER_PRUNED"  # listed in the manifest once the optimizer state is pruned
@@ -111,12 +111,8 @@ def _fsync_tree(root: str) -> None:
     """Every file and folder under the local folder `root` on disk (before the rename that publishes it)."""
     for folder, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(folder)
+            fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
 
 
 def _manifest_bytes(manifest: dict[str, str]) -> bytes:
@@ -144,6 +140,7 @@ def save_model_dir(
     """
     snap = snap or snapshot(model, optimizer)
     fs = lake.fs
+    kept = lambda: keep_existing and fs.exists(f"{final}/MANIFEST.json")  # noqa: E731
     if lake.is_local:  # build the folder in the lake's own _tmp/ (same filesystem), then one rename
         os.makedirs(tmp, exist_ok=True)
         try:
@@ -151,24 +148,24 @@ def save_model_dir(
             _fsync_tree(tmp)  # a power cut after the rename must not leave v{n} with files not yet on disk
             faults.point("mid-checkpoint")
             if fs.exists(final):
-                if keep_existing and fs.exists(f"{final}/MANIFEST.json"):
+                if kept():
                     return final
                 shutil.rmtree(final)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             try:
                 os.replace(tmp, final)
             except OSError:  # a directory landed there meanwhile (os.replace never replaces a non-empty one)
-                if not (keep_existing and fs.exists(f"{final}/MANIFEST.json")):
+                if not kept():
                     raise
                 return final
-            fsync_dir(os.path.dirname(final))
+            fsync_path(os.path.dirname(final))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
     with tempfile.TemporaryDirectory(prefix="lockstep-ckpt-") as local:
         _write_model_dir(local, model, tokenizer, snap, extra_state)
         if fs.exists(final):
-            if keep_existing and fs.exists(f"{final}/MANIFEST.json"):
+            if kept():
                 return final
             fs.rm(final, recursive=True)
         fs.put(local, tmp, recursive=True)
@@ -294,8 +291,10 @@ def prune_optimizer_state(lake: Lake, run_id: str, version: int) -> bool:
     names = ("trainer_state/optimizer.safetensors", "trainer_state/optimizer.json")
     manifest = read_json(lake, f"{path}/MANIFEST.json")
     if names[0] not in manifest:
-        left = [n for n in names if PRUNED_MARK in manifest and fs.exists(f"{path}/{n}")]
-        for name in left:  # a prune stopped after its manifest: the files it had unlisted
+        if PRUNED_MARK not in manifest:
+            return False  # saved without optimizer state
+        left = [n for n in names if fs.exists(f"{path}/{n}")]  # unlisted by a prune stopped after its manifest
+        for name in left:
             fs.rm(f"{path}/{name}")
         return bool(left)
     marker = b"optimizer state pruned by lake.keep_optimizer_state\n"
@@ -392,10 +391,10 @@ def export_hf(lake: Lake, path: str, out_dir: str) -> str:
             for entry in stage.iterdir():
                 os.replace(entry, out / entry.name)
             stage.rmdir()
-            fsync_dir(str(out))
+            fsync_path(str(out))
         else:
             os.replace(stage, out)
-            fsync_dir(str(out.parent))
+            fsync_path(str(out.parent))
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -103,8 +103,8 @@ class Lake:
         return path if protocol in ("file", "local") else f"{protocol}://{path.lstrip('/')}"
 
 
-def fsync_dir(path: str) -> None:
-    """Make a rename into (or a file created in) the local folder `path` durable."""
+def fsync_path(path: str) -> None:
+    """Put a local file's bytes, or a local folder's entries (a rename into it), on disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -128,7 +128,7 @@ def atomic_write_bytes(lake: Lake, run_id: str, path: str, data: bytes) -> None:
     faults.point("shard-write" if path.endswith(".arrow") else "file-write")
     fs.mv(tmp, path)
     if lake.is_local:
-        fsync_dir(path.rsplit("/", 1)[0])
+        fsync_path(path.rsplit("/", 1)[0])
 
 
 def atomic_write_json(lake: Lake, run_id: str, path: str, obj: Any) -> None:
