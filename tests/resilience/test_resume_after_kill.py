@@ -224,10 +224,15 @@ def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference, api):
 @pytest.mark.slow
 def test_damaged_shards_are_quarantined_and_regenerated(reference, api):
     """Kill mid-rollout, then truncate one shard of the interrupted iteration and flip a bit in another:
-    resume must detect both, move them to quarantine/, regenerate them, and still equal the reference."""
+    resume must detect both, move them to quarantine/, regenerate them, and still equal the reference.
+
+    Checkpoints are written before the workers get a version (`push_weights: false`): written in the background,
+    v1's could still be in flight at the kill, and resume would then rightly set every v1 shard aside as never
+    durable (the test above) before looking at their bytes. The final weights do not depend on the setting
+    (tests/invariants/test_periodic_equals_sync.py)."""
     tmp, ref_params = reference
     run_id = "k-damaged"
-    cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
+    cfg = write_config(tmp, run_id, {"run.iterations": ITERS, "pipeline.push_weights": False})
     code, log = _lockstep(["train", cfg], tmp, fault="mid-train[1]@2", api=api)
     assert code == -9, log[-3000:]
     lake_uri = str(tmp / "lake")
@@ -243,7 +248,7 @@ def test_damaged_shards_are_quarantined_and_regenerated(reference, api):
     code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp, api=api)
     assert code == 0, log[-3000:]
     rec = ledger.read_record(lake, run_id, 1)
-    assert len(rec["quarantined"]) == 2
+    assert len(rec["quarantined"]) == 2, rec.get("quarantined")
     assert all(lake.fs.exists(q) for q in rec["quarantined"])
     params = final_params(lake_uri, run_id, ITERS)
     diff = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
@@ -308,15 +313,19 @@ def test_rollouts_of_a_version_that_never_became_durable_are_set_aside(reference
 
     path = Path(lake.ledger_file(run_id, 1))
     rec = json.loads(path.read_text())
-    if rec["state"] == "promoted":  # v2 was durable by the kill (the usual case): undo its promotion
+    promoted = json.loads(Path(lake.promoted_file(run_id)).read_text())["version"]
+    if promoted == 2:  # v2 was durable by the kill (the usual case): undo its promotion
+        # the record is 'promoted', or still 'trained' when the kill fell between PROMOTED and the ledger's update
+        assert rec["state"] in ("promoted", "trained"), rec
         Path(lake.promoted_file(run_id)).write_text(json.dumps({"version": 1}))
         shutil.rmtree(lake.checkpoint_dir(run_id, 2))
-        rec.update(state="trained", history=rec["history"][:-1])
+        if rec["state"] == "promoted":
+            rec.update(state="trained", history=rec["history"][:-1])
         rec.pop("promoted_version", None)
         rec.pop("cataloged", None)
         path.write_text(json.dumps(rec))
-    else:  # the kill itself fell in the window
-        assert rec["state"] == "trained" and json.loads(Path(lake.promoted_file(run_id)).read_text())["version"] == 1
+    else:  # the kill itself fell in the window, before PROMOTED was written
+        assert promoted == 1 and rec["state"] == "trained", (promoted, rec)
 
     code, log = _lockstep(["resume", run_id, "--lake", lake_uri], tmp, api=api)
     assert code == 0, log[-3000:]
