@@ -67,9 +67,12 @@ def query(uri: str, table: str = ROLLOUTS, where: str | None = None, limit: int 
           columns: list[str] | None = None) -> pa.Table:
     """Rows of a catalog table matching a SQL `where` filter (LanceDB / DataFusion syntax)."""
     db = _connect(uri)
-    if table not in db.table_names():
-        raise FileNotFoundError(f"the catalog at {uri} has no table {table!r} (no iteration was promoted yet?)")
-    q = db.open_table(table).search()
+    try:
+        tbl = db.open_table(table)
+    except ValueError:  # absent, or its creation cut short (no first version): the resumed run writes it
+        raise FileNotFoundError(f"the catalog at {uri} has no table {table!r} (no iteration was promoted yet, or "
+                                f"the run stopped while writing it: `lockstep resume` completes it)") from None
+    q = tbl.search()
     if where:
         q = q.where(where)
     if columns:

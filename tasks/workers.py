@@ -340,6 +340,7 @@ class _Worker:
                 continue
             if chunk == _STOP:
                 continue
+            self._drain_commands()  # an announcement that came while waiting for the chunk
             self._load_pending()
             while self.version < chunk.iteration - max_staleness:  # admission control
                 self._drain_commands(block=True)
@@ -472,27 +473,37 @@ class WorkerPool:
                 msg = self.results[w].get(timeout=0.5)
             except queue.Empty:
                 if not self.procs[w].is_alive():
-                    self.failed = f"rollout worker {w} died (exit code {self.procs[w].exitcode})"
-                    raise WorkerError(self.failed) from None
+                    try:  # its last message (an error's traceback) can land after the wait above ran out
+                        msg = self.results[w].get(timeout=1.0)
+                    except queue.Empty:
+                        self.failed = f"rollout worker {w} died (exit code {self.procs[w].exitcode})"
+                        raise WorkerError(self.failed) from None
+                    return self._checked(w, msg)
                 if time.monotonic() > deadline:
                     self.failed = f"rollout worker {w} gave no answer within {timeout_s:.0f} s"
                     raise WorkerError(self.failed) from None
                 continue
-            if msg[0] == "error":
-                self.failed = f"rollout worker {w} failed:\n{msg[1]}"
-                raise WorkerError(self.failed)
-            return msg
+            return self._checked(w, msg)
+
+    def _checked(self, w: int, msg: tuple) -> tuple:
+        """`msg` from worker `w`, or its error raised."""
+        if msg[0] == "error":
+            self.failed = f"rollout worker {w} failed:\n{msg[1]}"
+            raise WorkerError(self.failed)
+        return msg
 
     def alive(self) -> bool:
         return self.failed is None and all(p.is_alive() for p in self.procs)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tell every worker to exit; one still alive `timeout_s` later is killed, and reaped."""
         for q in self.commands:
             q.put(("exit",))
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=timeout_s)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)  # reaped: closed means no worker is left running
         for q in [self.work, *self.commands, *self.results]:
             q.close()
             q.cancel_join_thread()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -72,7 +73,10 @@ def test_a_write_being_awaited_stays_visible_until_it_ends():
     s.save_in_background(4, gate.wait)
     waiter = threading.Thread(target=s.wait_saved, daemon=True)
     waiter.start()
-    waiter.join(0.2)
+    deadline = time.monotonic() + 10
+    while s.saving is None and time.monotonic() < deadline:  # the waiter started the write (not a fixed pause:
+        time.sleep(0.01)  # a loaded machine can run the waiter thread late)
+    time.sleep(0.1)  # ... and is waiting on it
     try:
         assert waiter.is_alive()  # the flow is waiting for the write
         found = s.saving  # what an audit finds meanwhile
@@ -101,8 +105,9 @@ def test_a_wait_cut_short_by_a_signal_keeps_the_write_visible():
     timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
     try:
         s.save_in_background(5, gate.wait)
-        timer.start()
+        s.release()  # the write in flight before the signal is armed: it lands in the wait, not in the submission
         with pytest.raises(_Stopped):
+            timer.start()
             s.wait_saved()
         found = s.saving
         assert found is not None and found[0] == 5 and not found[1].done()

@@ -107,3 +107,39 @@ def test_a_query_of_a_table_not_written_yet_names_it(tmp_path):
     lancedb.connect(uri).create_table(catalog.SHARDS, _shards(0))
     with pytest.raises(FileNotFoundError, match=f"the catalog at {uri} has no table 'rollouts'"):
         catalog.query(uri)
+
+
+def test_a_catalog_write_cut_short_is_finished_by_the_next(tmp_path):
+    """The audit can be killed anywhere in `write_iteration` (it runs beside training, and a kill mid-train lands
+    in it at random); resume writes the iteration again. Each place it can stop leaves a catalog that the rewrite
+    completes: a table created without its first version (data files, no manifest), a table created but not
+    indexed, the samples upserted but not the shards."""
+    import shutil
+
+    uri = str(tmp_path / "catalog")
+    db = lancedb.connect(uri)
+    db.create_table(catalog.ROLLOUTS, _samples(0, 0.1).drop_columns(["prompt_ids"]))
+    shutil.rmtree(f"{uri}/{catalog.ROLLOUTS}.lance/_versions")  # killed inside create_table: no version yet
+    with pytest.raises(FileNotFoundError, match="the run stopped while writing it"):  # an audit meanwhile
+        catalog.query(uri, catalog.ROLLOUTS)
+    db.create_table(catalog.SHARDS, _shards(0))  # killed between create_table and create_index
+
+    catalog.write_iteration(uri, _samples(0, 0.25), _shards(0), version=1)
+    rows = catalog.query(uri, catalog.ROLLOUTS).to_pylist()
+    assert len(rows) == 32 == len({r["sample_id"] for r in rows}) and {r["reward"] for r in rows} == {0.25}
+    assert len(catalog.query(uri, catalog.SHARDS).to_pylist()) == 2  # merged into the unindexed table, once
+
+    # killed after the samples' upsert of iteration 1, before its shards and tags
+    catalog._upsert(lancedb.connect(uri), catalog.ROLLOUTS, _samples(1, 0.5).drop_columns(["prompt_ids"]),
+                    "sample_id")
+    catalog.write_iteration(uri, _samples(1, 0.5), _shards(1), version=2)
+    rows = catalog.query(uri, catalog.ROLLOUTS).to_pylist()
+    assert len(rows) == 64 == len({r["sample_id"] for r in rows})
+    assert sorted(r["path"] for r in catalog.query(uri, catalog.SHARDS).to_pylist()) == [
+        f"r/s/{i}/{j}.arrow" for i in range(2) for j in range(2)]
+    db = lancedb.connect(uri)
+    for name in (catalog.ROLLOUTS, catalog.SHARDS):
+        assert {"v1", "v2"} <= set(db.open_table(name).tags.list())
+    v1 = db.open_table(catalog.ROLLOUTS)
+    v1.checkout("v1")
+    assert v1.count_rows() == 32  # the tag of version 1 shows iteration 0's rows only

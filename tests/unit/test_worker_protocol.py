@@ -115,7 +115,8 @@ def test_the_newest_announced_version_is_loaded_before_the_next_chunk(worker, mo
         assert served.settle(1) == [(0, 0)]
         served.announce(2)
         served.announce(1)  # announcements can overtake each other: the newest wins
-        time.sleep(0.3)
+        # queued right behind them, no pause: the worker must read its commands after taking the chunk (it read
+        # them only before waiting for one, and a chunk put within that wait ran on v0)
         served.work.put(Chunk(1, 0, 1, (1,)))  # admissible on v0, but v2 is there to be used
         assert served.settle(2) == [(0, 0), (1, 2)]
     finally:

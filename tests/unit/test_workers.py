@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import queue
+import threading
+import time
 
 import pytest
 
@@ -183,3 +187,39 @@ def test_worker_ends_when_its_parent_is_killed_mid_generation(tmp_path, tiny_hf)
     assert published < 2000
     time.sleep(1.0)
     assert len(list(lake.rglob("*.arrow"))) == published  # nothing published after its end
+
+
+class _DeadWorker:
+    exitcode = 1
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def test_a_dead_workers_last_message_is_still_read():
+    """A worker that fails sends its traceback and exits; the message can land just after the pool's wait for it
+    ran out and the pool saw the process gone. The traceback must still be what the error says, not a bare
+    'died (exit code 1)'."""
+    pool = WorkerPool.__new__(WorkerPool)  # the message protocol alone, without starting a worker
+    pool.procs, pool.results, pool.failed = [_DeadWorker()], [queue.Queue()], None
+    late = threading.Timer(0.7, pool.results[0].put, (("error", "Traceback: no model in /x"),))
+    late.start()
+    try:
+        with pytest.raises(WorkerError, match="rollout worker 0 failed:\nTraceback: no model in /x"):
+            pool._next(0)
+    finally:
+        late.cancel()
+    assert not pool.alive()
+
+
+def test_close_kills_and_reaps_a_worker_that_does_not_exit():
+    """`close` on a worker that ignores its exit command (stuck in a long generation) kills it and reaps it: no
+    worker process is left once the pool is closed."""
+    ctx = multiprocessing.get_context("spawn")
+    stuck = ctx.Process(target=time.sleep, args=(120,), daemon=True)
+    stuck.start()
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.procs, pool.work, pool.commands, pool.results = [stuck], ctx.Queue(), [ctx.Queue()], [ctx.Queue()]
+    pool.close(timeout_s=0.5)
+    assert stuck.exitcode == -9  # killed and reaped (None while a killed child is not yet waited for)
+    assert stuck not in multiprocessing.active_children()
