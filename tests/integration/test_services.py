@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from tests.integration.runs import write_config
-from tests.ports import free_port
+from tests.ports import free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_run_triggered_through_the_deployment(tmp_path):
-    pp, mp = free_port(), free_port()
+    pp, mp = free_ports(2)
     env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"), "PREFECT_PORT": str(pp),
            "MLFLOW_PORT": str(mp), "LOCKSTEP_BIN": str(Path(sys.executable).parent), "PYTHONPATH": str(REPO)}
     api, mlflow_uri = f"http://127.0.0.1:{pp}/api", f"http://127.0.0.1:{mp}"
