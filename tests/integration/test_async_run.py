@@ -76,3 +76,6 @@ def test_async_catalog_respects_staleness_and_records_interruptions(tmp_path, mo
         assert ledger.read_record(lake, "async2", k)["state"] == "promoted"
     assert any(fig["staleness/max"] == 2.0 and fig["prox/loglinear/abs_err"] > 0 for fig in out["history"])
     assert out["promoted_version"] == ITERS
+    # nothing planned or generated past the last batch (the look-ahead stops at the run's end)
+    assert len(ledger.read_all(lake, "async2")) == ITERS
+    assert lake.fs.glob(f"{lake.run_dir('async2')}/rollouts/*/iter-{ITERS:06d}") == []

@@ -49,6 +49,9 @@ def test_replay_and_audit(tmp_path, capsys):
                 "--limit", "100", "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out) == 8 * 4 and {r["policy_version"] for r in out} == {1}
+    assert cli(["audit", "orig", "--lake", lake_uri, "--version", "0", "--limit", "0", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)  # version 0 alone (not "from 0 on"); limit 0: every row
+    assert len(out) == 8 * 4 and {r["policy_version"] for r in out} == {0}
     assert cli(["audit", "orig", "--lake", lake_uri, "--where", "no_such_column > 1"]) == 2
     # report: PNG + HTML on disk and in the MLflow run
     assert cli(["report", "orig", "--lake", lake_uri, "--out", str(tmp_path / "rep")]) == 0
@@ -88,6 +91,8 @@ def test_export_round_trip(tmp_path, capsys):
         assert torch.equal(exported(ids).logits, original(ids).logits)
     assert cli(["export", "exp", "--out", str(out), "--lake", lake_uri]) == 2  # refuses a non-empty target
     assert cli(["export", "nope", "--out", str(tmp_path / "x"), "--lake", lake_uri]) == 2
+    assert cli(["export", "exp", "--version", "0", "--out", str(tmp_path / "v0"), "--lake", lake_uri]) == 0
+    assert (tmp_path / "v0" / "model.safetensors").is_file()  # the starting weights export like any version
     assert checkpoints.promoted_version(Lake(lake_uri), "exp") == 1
     capsys.readouterr()
     # what is wrong, named: a version that does not exist (was "has no MANIFEST.json (incomplete write)"), a

@@ -38,6 +38,17 @@ def test_nan_loss_fails_the_iteration_before_promotion(tmp_path, monkeypatch):
     rec = ledger.read_record(lake, "nan", 1)
     assert rec["state"] == "failed" and "non-finite loss" in rec["reason"]
     assert not lake.fs.exists(lake.checkpoint_dir("nan", 2))
+    assert _mlflow_run(tmp_path, "nan").info.status == "FAILED"
+
+
+def _mlflow_run(tmp_path, run_id: str):
+    """The MLflow run of lockstep run `run_id` in the tests' SQLite store (`write_config`)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                filter_string=f"tags.`lockstep.run_id` = '{run_id}'")
+    return run
 
 
 def test_checkpoint_write_error_keeps_the_promoted_version(tmp_path, monkeypatch):
@@ -80,6 +91,15 @@ def test_prefect_retry_of_the_flow_resumes_the_run(tmp_path, monkeypatch):
     assert [r["state"] for r in ledger.read_all(lake, "retry")] == ["promoted"] * 3
     history = [h["state"] for h in ledger.read_record(lake, "retry", 1)["history"]]
     assert history[:3] == ["planned", "rolling_out", "failed"] and history[-1] == "promoted"
+    assert summary["iterations"] == 3 and len(summary["history"]) == 2  # the retry trained iterations 1 and 2
+    from mlflow.tracking import MlflowClient
+
+    run = _mlflow_run(tmp_path, "retry")
+    evals = [(m.step, m.value) for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
+        run.info.run_id, "eval/accuracy")]
+    # v1 evaluated after iteration 0, and again where the retry starts: at its version's step, not at step 0
+    assert [step for step, _ in evals] == [0, 1, 1, 2, 3]
+    assert evals[1][1] == evals[2][1]  # greedy evaluation of one version
 
 
 def test_failure_after_promotion_keeps_the_iteration_promoted(tmp_path, monkeypatch):
@@ -183,3 +203,33 @@ def test_resume_after_the_last_promotion(tmp_path):
     with pytest.raises(CheckpointError, match="model.safetensors does not match its manifest"):
         train_flow(config_path=config, resume=True)
     assert checkpoints.promoted_version(lake, "done") == 1
+
+
+def test_the_audit_runs_with_either_half_enabled_and_its_failure_fails_the_run(tmp_path, monkeypatch):
+    """The audit task (catalog rows, Prefect report) runs beside the next iteration; it runs when either half is on,
+    and its error is the run's error, whichever iteration it was for (not only the last one's)."""
+    import tasks.iteration
+
+    real = tasks.iteration.markdown_report
+    reported: list[int] = []
+
+    def recorded(run_id, iteration, figures, **kwargs):
+        reported.append(iteration)
+        return real(run_id, iteration, figures, **kwargs)
+
+    monkeypatch.setattr(tasks.iteration, "markdown_report", recorded)
+    train_flow(config_path=write_config(tmp_path, "report-only", {"run.iterations": 2, "pipeline.catalog": False}))
+    assert sorted(reported) == [0, 1]
+
+    def broken(run_id, iteration, figures, **kwargs):
+        if iteration == 0:
+            raise RuntimeError("artifact store unreachable")
+        return real(run_id, iteration, figures, **kwargs)
+
+    monkeypatch.setattr(tasks.iteration, "markdown_report", broken)
+    with pytest.raises(RuntimeError, match="artifact store unreachable"):
+        train_flow(config_path=write_config(tmp_path, "audit-fails", {"run.iterations": 3}))
+    lake = Lake(str(tmp_path / "lake"))
+    assert not lake.fs.exists(f"{lake.run_dir('audit-fails')}/summary.json")
+    rec = ledger.read_record(lake, "audit-fails", 0)
+    assert rec["state"] == "promoted" and checkpoints.promoted_version(lake, "audit-fails") >= 1  # the version stands

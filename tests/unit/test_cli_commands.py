@@ -14,6 +14,7 @@ import pytest
 
 from configs.schema import ConfigError, load_config, resolved_json
 from flows import cli
+from storage.checkpoints import CheckpointError
 from storage.datasets import DatasetError
 from tests.cli_output import cli_stderr, squash
 from tests.ports import free_port
@@ -85,6 +86,8 @@ def test_audit_refuses_a_negative_limit_and_a_run_without_catalog(lake_with_run,
     assert squash("error: --limit -1: give a number of rows, or 0 for all") in cli_stderr(capsys)
     assert cli.main(["audit", "r1", "--lake", str(lake_with_run)]) == 2
     assert squash("error: run r1 has no catalog yet (no iteration was promoted)") in cli_stderr(capsys)
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run), "--limit", "0"]) == 2  # 0 (all) is a valid limit:
+    assert squash("error: run r1 has no catalog yet") in cli_stderr(capsys)  # what stops it is the missing catalog
     assert not (lake_with_run / "runs" / "r1" / "catalog").exists()  # LanceDB created an empty one before
 
 
@@ -138,6 +141,18 @@ def test_runs_lists_damaged_runs_and_skips_what_is_not_a_run(lake_with_run, caps
     assert "damaged" in lines["c1"] and "PROMOTED is damaged (KeyError: 'version')" in lines["c1"]
     assert "stopped (created)" in lines["r1"] and "version None" in lines["r1"]
     assert "'my run': not a run (its name is not a run id), skipped" in out.err
+
+
+def test_runs_shows_each_run_by_its_last_ledger_record(lake_with_run, capsys):
+    import json
+
+    ledger_dir = lake_with_run / "runs" / "r1" / "ledger"
+    ledger_dir.mkdir()
+    for k, state in enumerate(["promoted", "failed"]):
+        (ledger_dir / f"iter-{k:06d}.json").write_text(json.dumps({"iteration": k, "state": state, "history": []}))
+    assert cli.main(["runs", "--lake", str(lake_with_run)]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.split()[:2] == ["r1", "failed"]
 
 
 @pytest.mark.parametrize("what", ["missing", "file"])
@@ -220,6 +235,19 @@ def test_serve_with_a_bad_config_exits_2(monkeypatch, capsys, api_url):
     assert squash("error: model.path '/nonexistent/model' is not a directory") in cli_stderr(capsys)
 
 
+def test_serve_without_a_prefect_server_exits_2_before_publishing(monkeypatch, capsys):
+    import flows.train
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+
+    def publish(*args, **kwargs):
+        raise AssertionError("the deployment must not be published without a server")
+
+    monkeypatch.setattr(flows.train.train_flow, "serve", publish)
+    assert cli.main(["serve", ARITH]) == 2
+    assert squash("needs a Prefect server") in cli_stderr(capsys)
+
+
 def test_serve_with_an_unreachable_prefect_api(tmp_path):
     port = free_port()
     env = dict(os.environ, PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
@@ -236,7 +264,10 @@ def test_serve_with_an_unreachable_prefect_api(tmp_path):
 
 @pytest.mark.parametrize("error", [DatasetError("train.jsonl, row 40: empty 'question' (set data.on_bad_row: skip "
                                                 "to skip such rows)"),
-                                   ConfigError("task.dataset.uri: train.jsonl: no usable rows")])
+                                   ConfigError("task.dataset.uri: train.jsonl: no usable rows"),
+                                   CheckpointError("runs/r1/checkpoints/PROMOTED is damaged (KeyError: 'version')"),
+                                   FileNotFoundError("runs/r1/checkpoints/v000003/MANIFEST.json")],
+                         ids=["dataset", "config", "checkpoint", "missing-file"])
 def test_train_input_error_inside_the_flow_exits_2(monkeypatch, capsys, tmp_path, error):
     import flows.train
 
@@ -288,6 +319,31 @@ def test_resume_of_a_bad_frozen_config_names_the_file_in_the_lake(lake_with_run,
     err = cli_stderr(capsys)
     assert squash(f"{config}") in err and squash(expected) in err  # it named the temporary copy the CLI loads
     assert "/tmp" not in err.replace(str(lake_with_run), "")
+
+
+def test_resume_of_an_invalid_run_id_is_one_error_line(lake_with_run, capsys):
+    assert cli.main(["resume", "../r1", "--lake", str(lake_with_run)]) == 2
+    err = cli_stderr(capsys)
+    assert squash(f"error: cannot resume '../r1' from lake {lake_with_run}") in err and "Traceback" not in err
+
+
+def test_resume_runs_from_the_lake_it_is_given_whatever_its_model_path_now_is(lake_with_run, monkeypatch):
+    """A lake moved (or copied) since the run started: the frozen config names the old place, `--lake` the new one,
+    and resume must use the new one. Its v0 is in the lake, so a `model.path` removed since does not stop it."""
+    import flows.train
+
+    frozen = load_config(None, ["run.run_id=r1", "lake.uri=/old/place", "model.path=/removed/model"])
+    (lake_with_run / "runs" / "r1" / "config.json").write_text(resolved_json(frozen))
+    seen = {}
+
+    def flow(config_path, overrides, resume):
+        seen.update(cfg=load_config(config_path, overrides), resume=resume)
+        return {"eval_accuracy_initial": 0.5, "eval_accuracy_final": 0.6, "samples_per_s": 1.0,
+                "promoted_version": 3, "run_id": "r1", "summary_path": "s"}
+
+    monkeypatch.setattr(flows.train, "train_flow", flow)
+    assert cli.main(["resume", "r1", "--lake", str(lake_with_run)]) == 0
+    assert seen["resume"] and seen["cfg"].lake.uri == str(lake_with_run) and seen["cfg"].run.run_id == "r1"
 
 
 def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
