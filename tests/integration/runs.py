@@ -42,6 +42,16 @@ def write_config(tmp_path: Path, name: str, overrides: dict | None = None, lake:
     return str(path)
 
 
+def mlflow_run(tmp_path: Path, run_id: str):
+    """(client, run): the MLflow run of lockstep run `run_id` in the store `write_config` gives it, as it is now."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                filter_string=f"tags.`lockstep.run_id` = '{run_id}'")
+    return client, run
+
+
 def final_params(lake_uri: str, run_id: str, version: int) -> dict:
     lake = Lake(lake_uri)
     return load_file(f"{lake.checkpoint_dir(run_id, version)}/model.safetensors")

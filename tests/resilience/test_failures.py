@@ -11,7 +11,7 @@ from flows.train import train_flow
 from models.trainer import PolicyTrainer
 from storage import checkpoints, ledger
 from storage.lake import Lake
-from tests.integration.runs import write_config
+from tests.integration.runs import mlflow_run, write_config
 
 
 def test_nan_loss_fails_the_iteration_before_promotion(tmp_path, monkeypatch):
@@ -38,17 +38,7 @@ def test_nan_loss_fails_the_iteration_before_promotion(tmp_path, monkeypatch):
     rec = ledger.read_record(lake, "nan", 1)
     assert rec["state"] == "failed" and "non-finite loss" in rec["reason"]
     assert not lake.fs.exists(lake.checkpoint_dir("nan", 2))
-    assert _mlflow_run(tmp_path, "nan").info.status == "FAILED"
-
-
-def _mlflow_run(tmp_path, run_id: str):
-    """The MLflow run of lockstep run `run_id` in the tests' SQLite store (`write_config`)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                filter_string=f"tags.`lockstep.run_id` = '{run_id}'")
-    return run
+    assert mlflow_run(tmp_path, "nan")[1].info.status == "FAILED"
 
 
 def test_checkpoint_write_error_keeps_the_promoted_version(tmp_path, monkeypatch):
@@ -92,11 +82,8 @@ def test_prefect_retry_of_the_flow_resumes_the_run(tmp_path, monkeypatch):
     history = [h["state"] for h in ledger.read_record(lake, "retry", 1)["history"]]
     assert history[:3] == ["planned", "rolling_out", "failed"] and history[-1] == "promoted"
     assert summary["iterations"] == 3 and len(summary["history"]) == 2  # the retry trained iterations 1 and 2
-    from mlflow.tracking import MlflowClient
-
-    run = _mlflow_run(tmp_path, "retry")
-    evals = [(m.step, m.value) for m in MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(
-        run.info.run_id, "eval/accuracy")]
+    client, run = mlflow_run(tmp_path, "retry")
+    evals = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/accuracy")]
     # v1 evaluated after iteration 0, and again where the retry starts: at its version's step, not at step 0
     assert [step for step, _ in evals] == [0, 1, 1, 2, 3]
     assert evals[1][1] == evals[2][1]  # greedy evaluation of one version

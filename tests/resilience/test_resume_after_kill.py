@@ -21,7 +21,7 @@ from flows.train import train_flow
 from storage import ledger
 from storage.lake import Lake
 from storage.shards import read_shard, table_to_records
-from tests.integration.runs import final_params, write_config
+from tests.integration.runs import final_params, mlflow_run, write_config
 
 ITERS = 3
 REPO = Path(__file__).resolve().parents[2]
@@ -200,12 +200,7 @@ def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference, api):
     assert f"lockstep resume {run_id} --lake {lake_uri}" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     assert left == [], f"still running 20 s after the run stopped: {left}"
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id],
-                                filter_string=f"tags.`lockstep.run_id` = '{run_id}'")
-    assert run.info.status == "KILLED"
+    assert mlflow_run(tmp, run_id)[1].info.status == "KILLED"
     lake = Lake(lake_uri)
     states = [r["state"] for r in ledger.read_all(lake, run_id)]
     assert states[0] == "promoted" and states[-1] != "promoted"
@@ -216,9 +211,7 @@ def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference, api):
     params = final_params(lake_uri, run_id, ITERS)
     diff = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
     assert diff <= 1e-5, f"resumed run differs from the uninterrupted one by {diff}"
-    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id],
-                                filter_string=f"tags.`lockstep.run_id` = '{run_id}'")
-    assert run.info.status == "FINISHED"
+    assert mlflow_run(tmp, run_id)[1].info.status == "FINISHED"
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
-import threading
 import time
 
 import pytest
@@ -196,19 +195,27 @@ class _DeadWorker:
         return False
 
 
+class _LateResults:
+    """A worker's result queue whose last message lands just after the pool's wait for it ran out."""
+
+    def __init__(self, msg: tuple):
+        self.msg, self.waits = msg, 0
+
+    def get(self, timeout: float) -> tuple:
+        self.waits += 1
+        if self.waits == 1:
+            raise queue.Empty
+        return self.msg
+
+
 def test_a_dead_workers_last_message_is_still_read():
     """A worker that fails sends its traceback and exits; the message can land just after the pool's wait for it
     ran out and the pool saw the process gone. The traceback must still be what the error says, not a bare
     'died (exit code 1)'."""
     pool = WorkerPool.__new__(WorkerPool)  # the message protocol alone, without starting a worker
-    pool.procs, pool.results, pool.failed = [_DeadWorker()], [queue.Queue()], None
-    late = threading.Timer(0.7, pool.results[0].put, (("error", "Traceback: no model in /x"),))
-    late.start()
-    try:
-        with pytest.raises(WorkerError, match="rollout worker 0 failed:\nTraceback: no model in /x"):
-            pool._next(0)
-    finally:
-        late.cancel()
+    pool.procs, pool.results, pool.failed = [_DeadWorker()], [_LateResults(("error", "Traceback: no model in /x"))], None
+    with pytest.raises(WorkerError, match="rollout worker 0 failed:\nTraceback: no model in /x"):
+        pool._next(0)
     assert not pool.alive()
 
 
