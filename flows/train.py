@@ -26,6 +26,7 @@ from storage.lake import atomic_write_bytes, read_json
 from tasks.iteration import (
     audit_task,
     catalog_iteration,
+    chunk_index,
     evaluate_task,
     mark_failed,
     plan_task,
@@ -249,13 +250,23 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             s.tracker.finish(status)
 
 
-def _async_rollout_figures(s: RunSession, k: int) -> list[dict]:
-    """Per-worker generation figures of the shards trained in iteration k (async: generated whenever admitted)."""
+def _async_rollout_figures(s: RunSession, k: int, wait_s: float = 10.0) -> list[dict]:
+    """Per-worker generation figures of the shards trained in iteration k (async: generated whenever admitted).
+
+    A worker publishes a shard before it sends the shard's figures, so the trainer can have trained the last shard
+    before the serving thread has stored them: each shard this session generated is waited for (up to `wait_s` in
+    all). The shards a resumed iteration reused (`reused_chunks` of its record) were generated before the resume and
+    have no figures."""
     rec = ledger.read_record(s.lake, s.run_id, k)
+    reused = set(rec.get("reused_chunks") or ())
+    deadline = time.monotonic() + wait_s
     per_worker: dict[int, dict] = {}
     for sh in rec["shards"]:
-        info = s.shard_info.pop(sh["path"], None)
-        if info is None:  # a shard generated before a resume: no timing figures
+        if chunk_index(sh["path"]) in reused:
+            continue
+        while (info := s.shard_info.pop(sh["path"], None)) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if info is None:  # never arrived (the worker is gone): its time is missing from this iteration's figures
             continue
         w = per_worker.setdefault(info["worker"], {"busy_s": 0.0, "storage_s": 0.0, "load_s": 0.0, "shards": []})
         w["busy_s"] += info["gen_s"]

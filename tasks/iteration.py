@@ -69,6 +69,11 @@ def list_shards(s, run_id: str, iteration: int) -> list[str]:
     return sorted(paths)
 
 
+def chunk_index(path: str) -> int:
+    """The chunk a shard holds, from its name (`shard-{worker}-{chunk:05d}.arrow`)."""
+    return int(path.rsplit("-", 1)[-1].split(".")[0])
+
+
 def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]:
     """Chunk indices whose shard exists and passes its checksum; damaged shards are moved to quarantine/."""
     fs = s.lake.fs
@@ -77,7 +82,7 @@ def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]
     for path in list_shards(s, run_id, iteration):
         try:
             read_shard(s.lake, path)
-            valid.append(int(path.rsplit("-", 1)[-1].split(".")[0]))
+            valid.append(chunk_index(path))
         except ShardError:
             folder = folder or s.lake.quarantine_dir(run_id, f"iter-{iteration:06d}")
             dest = f"{folder}/{path.rsplit('/', 1)[-1]}"

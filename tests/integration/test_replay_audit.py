@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from flows.cli import main as cli
 from flows.replay import replay_flow
@@ -15,7 +17,7 @@ from tests.cli_output import cli_stderr, squash
 from tests.integration.runs import all_samples, final_params, write_config
 
 
-def test_replay_and_audit(tmp_path, capsys):
+def test_replay_and_audit(tmp_path, capsys, monkeypatch):
     train_flow(config_path=write_config(tmp_path, "orig", {"run.iterations": 2, "pipeline.catalog_compact_every": 1}))
     lake_uri = str(tmp_path / "lake")
 
@@ -31,6 +33,26 @@ def test_replay_and_audit(tmp_path, capsys):
     assert checkpoints.promoted_version(Lake(lake_uri), "again") == 2
     v0 = final_params(lake_uri, "orig", 0)
     assert max(float((orig[k] - v0[k]).abs().max()) for k in orig) > 1e-4
+    assert all(torch.equal(v0[k], t) for k, t in final_params(lake_uri, "again", 0).items())
+
+    # a checkpoint that is not what its shards train to is found: one element of one tensor (not the first
+    # compared) of v2 moved by 0.25; the CLI prints each version's max abs difference and the worst
+    lake = Lake(lake_uri)
+    weights = f"{lake.checkpoint_dir('orig', 2)}/model.safetensors"
+    original_bytes = open(weights, "rb").read()
+    names = list(orig)
+    tampered = dict(orig)
+    tampered[names[len(names) // 2]] = orig[names[len(names) // 2]].clone()
+    tampered[names[len(names) // 2]].view(-1)[3] += 0.25
+    save_file(tampered, weights)
+    capsys.readouterr()
+    assert cli(["replay", "orig", "--lake", lake_uri]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (d1,), (d2,) = ([float(ln.split()[-1]) for ln in lines if ln.split()[:2] == ["v", str(v)]] for v in (1, 2))
+    assert d1 <= 1e-5 and abs(d2 - 0.25) <= 1e-5, lines
+    assert lines[-1] == f"replayed 2 versions of orig; worst max_abs_diff {d2:.3e}"
+    with open(weights, "wb") as f:  # the run as it was, for the audit below
+        f.write(original_bytes)
 
     # catalog: one row per trained sample, no duplicates, advantages present, tags per promoted version
     uri = catalog.catalog_uri(Lake(lake_uri), "orig")
@@ -65,6 +87,19 @@ def test_replay_and_audit(tmp_path, capsys):
                                 filter_string="tags.`lockstep.run_id` = 'orig'")
     assert {a.path for a in client.list_artifacts(run.info.run_id, "report")} == {
         "report/orig-report.png", "report/orig-report.html"}
+    # the page is written but MLflow refuses it: exit 1 (not 0, not an input error), both paths named
+    from mlflow.exceptions import MlflowException
+
+    def refuse(*args, **kwargs):
+        raise MlflowException("database is locked")
+
+    capsys.readouterr()
+    monkeypatch.setattr(MlflowClient, "log_artifact", refuse)
+    assert cli(["report", "orig", "--lake", lake_uri, "--out", str(tmp_path / "rep2")]) == 1
+    assert squash(f"{tmp_path / 'rep2' / 'orig-report.png'} {tmp_path / 'rep2' / 'orig-report.html'} error: written, "
+                  f"but not logged to MLflow run {run.info.run_id}: database is locked") in cli_stderr(capsys)
+    assert (tmp_path / "rep2" / "orig-report.html").is_file()
+    monkeypatch.undo()
     capsys.readouterr()
     assert cli(["runs", "--lake", lake_uri]) == 0
     listing = capsys.readouterr().out
