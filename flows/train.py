@@ -302,6 +302,17 @@ def _settle_ledger(s: RunSession) -> None:
             ledger.write_record(s.lake, s.run_id, s.version - 1, "promoted", promoted_version=s.version)
 
 
+def _curve_points(history: list[dict], iterations: int, acc0: float, acc_final: float) -> tuple[list, list]:
+    """(iteration, reward/mean) per iteration this process trained, and (version, held-out accuracy) from the
+    version it started from to the last. After a resume `history` holds only the iterations trained since, the
+    last ones of the run, so its first is iterations - len(history); iteration k's evaluation is of version k+1."""
+    start = iterations - len(history)
+    rewards = [(start + i, h["reward/mean"]) for i, h in enumerate(history)]
+    accuracy = ([(start, acc0)] + [(start + i + 1, h["eval/accuracy"]) for i, h in enumerate(history)
+                                   if "eval/accuracy" in h] + [(iterations, acc_final)])
+    return rewards, accuracy
+
+
 def _log_artifacts(s: RunSession, history: list[dict], acc0: float, acc_final: float) -> None:
     """The resolved config and a reward / accuracy curve as MLflow artifacts."""
     if s.tracker.client is None:
@@ -322,13 +333,10 @@ def _log_artifacts(s: RunSession, history: list[dict], acc0: float, acc_final: f
         s.tracker.log_artifact(cfg_path)
         if not history:  # resumed after its last promotion (killed before its summary): no curve to draw
             return
-        start = s.cfg.run.iterations - len(history)
-        steps = list(range(start, start + len(history)))
+        rewards, accuracy = _curve_points(history, s.cfg.run.iterations, acc0, acc_final)
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, [h["reward/mean"] for h in history], label="reward/mean")
-        acc_steps = [start] + [st + 1 for st, h in zip(steps, history) if "eval/accuracy" in h] + [steps[-1] + 1]
-        acc_vals = [acc0] + [h["eval/accuracy"] for h in history if "eval/accuracy" in h] + [acc_final]
-        ax.plot(acc_steps, acc_vals, "o-", label="eval/accuracy")
+        ax.plot(*zip(*rewards), label="reward/mean")
+        ax.plot(*zip(*accuracy), "o-", label="eval/accuracy")
         ax.set_xlabel("iteration")
         ax.set_title(f"{s.run_id} ({s.cfg.pipeline.mode})")
         ax.legend()

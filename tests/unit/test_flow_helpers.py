@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from flows.report import render
-from flows.train import _async_rollout_figures, _settle_ledger
+from flows.train import _async_rollout_figures, _curve_points, _settle_ledger
 from storage import ledger
 from storage.lake import Lake
 
@@ -93,3 +93,13 @@ def test_report_table_gives_count_first_and_last_value_of_each_metric(tmp_path):
     text = open(page).read()
     assert "<tr><td>reward/mean</td><td>3</td><td>0.125</td><td>0.875</td></tr>" in text
     assert "<tr><td>eval/accuracy</td><td>1</td><td>0.25</td><td>0.25</td></tr>" in text
+
+
+def test_the_curve_after_a_resume_starts_where_the_resumed_process_did():
+    """A run of 5 iterations resumed after 2 promotions trains iterations 2-4; evaluation every 2 iterations."""
+    history = [{"reward/mean": 0.25}, {"reward/mean": 0.5, "eval/accuracy": 0.625}, {"reward/mean": 0.75}]
+    rewards, accuracy = _curve_points(history, 5, acc0=0.5, acc_final=0.75)
+    assert rewards == [(2, 0.25), (3, 0.5), (4, 0.75)]
+    assert accuracy == [(2, 0.5), (4, 0.625), (5, 0.75)]  # v2 at the resume, v4 after iteration 3, the final v5
+    rewards, accuracy = _curve_points([{"reward/mean": 0.25}], 1, acc0=0.5, acc_final=0.75)  # a fresh 1-iteration run
+    assert rewards == [(0, 0.25)] and accuracy == [(0, 0.5), (1, 0.75)]
