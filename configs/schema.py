@@ -38,10 +38,12 @@ class _Section(BaseModel):
         # YAML 1.1 reads 1e-5 and 1e3 as strings; a number field takes the number a user means, a string
         # field (run.run_id=1e3) keeps the string
         if isinstance(value, str) and str not in types and types & {int, float}:
-            try:
-                return float(value)
-            except ValueError:
-                return value
+            for number in (int, float) if int in types else (float,):  # "12345678901234567" stays exact
+                try:
+                    return number(value)
+                except ValueError:
+                    pass
+            return value
         # a section whose every field is commented out reads as null in YAML: it means the defaults
         if value is None and NoneType not in types and any(isinstance(t, type) and issubclass(t, _Section)
                                                            for t in types):

@@ -181,6 +181,8 @@ def load_prompts(
             reason = f"not an object ({type(row).__name__})"
         elif not isinstance(row.get(question_field), str):
             reason = f"missing or non-string field {question_field!r}"
+        elif isinstance(row.get(answer_field), bool):  # JSON true is an int to Python: it would be the answer "True"
+            reason = f"boolean field {answer_field!r}"
         elif not isinstance(row.get(answer_field), (str, int, float)):
             reason = f"missing field {answer_field!r}"
         elif not row[question_field].strip():

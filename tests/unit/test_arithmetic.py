@@ -246,3 +246,10 @@ def test_batches_never_repeat_a_prompt_and_cover_each_epoch_once():
     assert iteration_prompt_ids(other, n, 0) != batches[0]
     with pytest.raises(ValueError, match="prompts_per_iteration=32 exceeds the 20 training prompts"):
         iteration_prompt_ids(cfg, 20, 0)
+
+
+def test_reward_spaces_inside_answers_never_count_as_matched_positions():
+    # task.reward arithmetic is allowed on a dataset task, whose answers may hold spaces ("10 m"): a space shared
+    # by both strings is not a matched digit position, just as alignment padding is not
+    assert reward("12 m", "10 m", 0.5) == pytest.approx(0.5 * 2 / 4)  # '1' and 'm' match; ' ' does not count
+    assert reward("1 2", "3 4", 0.5) == 0.0

@@ -610,3 +610,79 @@ def test_task_that_cannot_fill_a_batch_fails_before_the_run_exists(tmp_path):
         open_session(arith)
     lake = Lake(str(tmp_path / "lake"))
     assert not lake.fs.exists(lake.run_dir("small")) and not lake.fs.exists(lake.run_dir("long"))
+
+
+def test_run_name_length_and_run_id_first_character():
+    assert load_config(None, ["run.name=" + "a" * 64]).run.name == "a" * 64
+    assert f"run.name: String should have at most 64 characters (got {'a' * 65!r})" in load_error(
+        None, ["run.name=" + "a" * 65])
+    assert load_config(None, ["run.run_id=r" + "x" * 127]).run.run_id == "r" + "x" * 127
+    # a run id is a directory name in the lake and a CLI argument: no hidden (.x) or flag-like (-x) ids
+    for bad in [".hidden", "-x", "_x", "r" + "x" * 128]:
+        assert f"run.run_id: String should match pattern '^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$' (got {bad!r})" in (
+            load_error(None, [f"run.run_id={bad}"]))
+
+
+def test_iterations_must_be_at_least_one():
+    assert "run.iterations: Input should be greater than or equal to 1 (got 0)" in load_error(None, ["run.iterations=0"])
+    assert load_config(None, ["run.iterations=1"]).run.iterations == 1
+
+
+def test_default_keeps_two_optimizer_states():
+    cfg = load_config(None)
+    assert cfg.lake.keep_optimizer_state == 2
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("bootstrap.lr=0", "bootstrap.lr: Input should be greater than 0 (got 0)"),
+    ("rollout.vllm_gpu_memory_utilization=0.96", "rollout.vllm_gpu_memory_utilization: Input should be less than or "
+                                                 "equal to 0.95 (got 0.96)"),
+    ("rollout.vllm_gpu_memory_utilization=1.0", "rollout.vllm_gpu_memory_utilization: Input should be less than or "
+                                                "equal to 0.95 (got 1.0)"),
+    ("algorithm.clip_low=1.0", "algorithm.clip_low: Input should be less than 1 (got 1.0)"),
+    ("algorithm.dual_clip=1.0", "algorithm.dual_clip: Input should be greater than 1 (got 1.0)"),
+    ("trainer.beta1=1.0", "trainer.beta1: Input should be less than 1 (got 1.0)"),
+    ("trainer.beta2=1.0", "trainer.beta2: Input should be less than 1 (got 1.0)"),
+])
+def test_exclusive_and_tight_bounds(override, expected):
+    assert expected in load_error(None, [override])
+
+
+def test_bounds_accept_their_edges():
+    cfg = load_config(None, ["bootstrap.lr=1.0", "rollout.vllm_gpu_memory_utilization=0.95", "algorithm.clip_low=0.99",
+                             "algorithm.dual_clip=1.01", "trainer.beta2=0.9999"])
+    assert (cfg.bootstrap.lr, cfg.rollout.vllm_gpu_memory_utilization, cfg.algorithm.clip_low,
+            cfg.algorithm.dual_clip, cfg.trainer.beta2) == (1.0, 0.95, 0.99, 1.01, 0.9999)
+
+
+def test_any_staleness_needs_async():
+    # one version of staleness is already async behaviour: periodic / sync must refuse it too
+    for mode in ("periodic", "sync"):
+        msg = load_error(None, [f"pipeline.mode={mode}", "pipeline.max_staleness=1"])
+        assert "(top level): pipeline.max_staleness applies to mode 'async' only" in msg
+    assert load_config(None, ["pipeline.mode=async", "pipeline.max_staleness=1"]).pipeline.max_staleness == 1
+
+
+def test_override_key_is_stripped():
+    assert parse_overrides(["trainer.lr =0.5"]) == [("trainer.lr", 0.5)]
+    assert load_config(None, [" trainer.lr = 0.5"]).trainer.lr == 0.5
+
+
+def test_missing_required_field_is_named_without_the_section():
+    msg = load_error(None, ["task.kind=dataset", "task.dataset={split: train}"])
+    assert msg == "invalid config (defaults):\n  task.dataset.uri: Field required"
+
+
+def test_later_override_wins():
+    assert load_config(None, ["trainer.lr=0.1", "trainer.lr=0.2"]).trainer.lr == 0.2
+    cfg = load_config(None, ["trainer={lr: 0.1, weight_decay: 0.3}", "trainer.weight_decay=0.2"])
+    assert (cfg.trainer.lr, cfg.trainer.weight_decay) == (0.1, 0.2)
+
+
+def test_a_quoted_integer_keeps_its_value():
+    """A string for a number field is read as the number (YAML 1.1 reads 1e-5 as a string); an integer one must stay
+    exact, not pass through a float (12345678901234567 read back as ...568)."""
+    assert load_config(None, ['task.split_seed="12345678901234567"']).task.split_seed == 12345678901234567
+    assert load_config(None, ['task.split_seed="12345678901234567891"']).task.split_seed == 12345678901234567891
+    assert load_config(None, ['task.split_seed="1e3"']).task.split_seed == 1000
+    assert load_config(None, ['trainer.lr="3e-4"']).trainer.lr == 3e-4

@@ -185,3 +185,119 @@ def test_check_readable_turns_a_backend_network_error_into_a_dataset_error():
         check_readable("unreachable://host/train.jsonl")
     assert str(e.value) == ("unreachable://host/train.jsonl (format jsonl): cannot be read (RuntimeError: Name or "
                             "service not known); check the URL and the network, or copy the file to a local path")
+
+
+def test_math_verifier_takes_the_answer_after_the_last_marker():
+    # a \boxed{} in the working before the marker is not the answer: parsed whole, "\boxed{5}" would win
+    assert math_reward("\\boxed{5} then #### 7", "7") == 1.0
+    assert math_reward("#### \\boxed{5} #### 7", "7") == 1.0  # the last marker, not the first
+    assert math_reward("\\boxed{7} then #### 5", "7") == 0.0
+
+
+def test_math_verifier_unparseable_reference_scores_zero():
+    assert math_reward("7", "seven") == 0.0
+    assert math_reward("The answer is 7.", "no number here") == 0.0
+
+
+def test_math_verifier_errors_are_not_verified_never_a_crash(monkeypatch):
+    # math-verify's own errors are swallowed (raise_on_error=False); this pins the worker-side guard as well
+    import math_verify
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("verifier blew up")
+
+    monkeypatch.setattr(math_verify, "verify", broken)
+    assert math_reward("7", "7") == 0.0
+
+
+def test_auto_format_of_json_and_of_paths_that_are_not_hub_ids(tmp_path):
+    assert resolve_format("data/train.json", "auto") == "jsonl"
+    assert resolve_format("s3://bucket/train.json", "auto") == "jsonl"
+    with pytest.raises(DatasetError, match=r"^train\.csv: file extension \.csv is not supported"):
+        resolve_format("train.csv", "auto")  # relative, not there: an all-letter extension still means a file
+    with pytest.raises(DatasetError, match=r"^~/data/train: a file without extension is not supported"):
+        resolve_format("~/data/train", "auto")  # a home path is never a hub id
+    with pytest.raises(DatasetError, match=r"^/data/train: a file without extension is not supported"):
+        resolve_format("/data/train", "auto")
+
+
+def test_json_extension_loads_as_jsonl(tmp_path):
+    path = _jsonl(str(tmp_path / "d.json"), [json.dumps(r).encode() for r in GOOD])
+    records, _ = load_prompts(path)
+    assert [r.answer for r in records] == ["7", "1000"]
+
+
+def test_unknown_explicit_format_names_it(tmp_path):
+    with pytest.raises(DatasetError) as e:
+        load_prompts(str(tmp_path / "d.jsonl"), fmt="csv")
+    assert str(e.value) == "unknown dataset format 'csv': use auto, jsonl, parquet or hf"
+
+
+def test_unknown_protocol_is_a_dataset_error():
+    with pytest.raises(DatasetError) as e:
+        load_prompts("nosuchproto://bucket/train.jsonl")
+    assert str(e.value).startswith("nosuchproto://bucket/train.jsonl (format jsonl): Protocol not known: nosuchproto")
+    assert str(e.value).endswith("give a local path or a URL fsspec knows (file://, s3://, gs://, memory://...)")
+
+
+def test_a_folder_read_as_jsonl_cannot_be_read(tmp_path):
+    with pytest.raises(DatasetError) as e:
+        load_prompts(str(tmp_path), fmt="jsonl")
+    assert str(e.value).startswith(f"{tmp_path} (format jsonl): cannot be read: ")
+
+
+def test_check_readable_keeps_the_dataset_error_message(tmp_path):
+    path = str(tmp_path / "other.jsonl")
+    with pytest.raises(DatasetError) as e:
+        check_readable(path)
+    assert str(e.value) == f"{path} (format jsonl): no such file; check task.dataset.uri / eval_uri"
+
+
+def test_blank_lines_are_not_rows_and_ids_stay_line_numbers(tmp_path):
+    rows = [json.dumps(GOOD[0]).encode(), b"", b"   ", json.dumps(GOOD[1]).encode()]
+    records, report = load_prompts(_jsonl(str(tmp_path / "d.jsonl"), rows))
+    assert [r.prompt_id for r in records] == [0, 3]
+    assert report.rows == report.kept == 2 and not report.skipped
+    assert report.summary() == f"{tmp_path / 'd.jsonl'}: 2 of 2 rows kept; skipped: none"
+
+
+def test_skip_reasons_are_counted_by_kind_with_examples_capped(tmp_path):
+    rows = ([json.dumps(GOOD[0]).encode()] + [b'{"question": "caf\xe9", "answer": "1"}'] * 3
+            + [b"{question: %d" % i for i in range(4)] + [json.dumps([1, 2]).encode()]
+            + [json.dumps({"question": 5, "answer": "1"}).encode()])
+    records, report = load_prompts(_jsonl(str(tmp_path / "d.jsonl"), rows))
+    assert [r.prompt_id for r in records] == [0]
+    assert report.skipped == {"invalid UTF-8": 3, "not JSON": 4, "not an object": 1,
+                              "missing or non-string field 'question'": 1}
+    assert report.examples[0] == "row 1: invalid UTF-8 (invalid continuation byte at byte 17)"
+    assert len(report.examples) == 5 and report.examples[-1].startswith("row 5: not JSON (")
+    assert report.summary().endswith("skipped: 4 not JSON, 3 invalid UTF-8, 1 not an object, "
+                                     "1 missing or non-string field 'question'")
+
+
+def test_non_object_and_non_string_question_rows_fail_with_their_reason(tmp_path):
+    for row, reason in ((json.dumps([1, 2]), "not an object (list)"),
+                        (json.dumps({"question": 5, "answer": "1"}), "missing or non-string field 'question'"),
+                        (json.dumps({"question": "q?", "answer": True}), "boolean field 'answer'")):
+        path = _jsonl(str(tmp_path / "d.jsonl"), [json.dumps(GOOD[0]).encode(), row.encode()])
+        with pytest.raises(DatasetError) as e:
+            load_prompts(path, on_bad_row="fail")
+        assert str(e.value) == f"{path}, row 1: {reason} (set data.on_bad_row: skip to skip such rows)"
+
+
+def test_numeric_answers_and_padded_questions(tmp_path):
+    rows = [json.dumps({"question": "  How many?\n", "answer": 7}).encode(),
+            json.dumps({"question": "Half of 3?", "answer": 1.5}).encode()]
+    records, report = load_prompts(_jsonl(str(tmp_path / "d.jsonl"), rows), template="Q: {question} A:")
+    assert [(r.text, r.answer) for r in records] == [("Q: How many? A:", "7"), ("Q: Half of 3? A:", "1.5")]
+    assert report.kept == 2
+
+
+def test_prompt_length_limit_is_inclusive_and_8192_by_default(tmp_path):
+    rows = [json.dumps({"question": "x" * n, "answer": "1"}).encode() for n in (8192, 8193, 100, 101)]
+    path = _jsonl(str(tmp_path / "d.jsonl"), rows)
+    records, report = load_prompts(path)
+    assert [r.prompt_id for r in records] == [0, 2, 3]  # exactly 8192 characters is allowed
+    assert report.examples == ["row 1: prompt longer than 8192 characters (8193)"]
+    records, _ = load_prompts(path, max_prompt_chars=100)
+    assert [r.prompt_id for r in records] == [2]

@@ -19,7 +19,7 @@ import torch
 from configs.schema import ConfigError, load_config, resolved_json
 from flows import cli
 from models.tiny import ModelDirError, build_char_tokenizer, build_tiny_model, check_model_dir, load_hf, save_hf
-from tasks.preflight import InputError, check_backend, check_inputs, check_prefect_api, check_tracking
+from tasks.preflight import InputError, _first_line, check_backend, check_inputs, check_prefect_api, check_tracking
 from tests.cli_output import cli_stderr, squash
 from tests.ports import free_port
 
@@ -365,3 +365,53 @@ def test_vllm_engine_without_vllm_is_an_input_error_before_the_device():
 def test_cpu_and_auto_pass():
     check_backend(load_config(ARITH, ["trainer.device=cpu"]))
     check_backend(load_config(ARITH, ["trainer.device=auto"]))
+
+
+@pytest.mark.parametrize("value", ["true", "yes", "On", " 1 "])
+def test_offline_spellings_are_all_offline(monkeypatch, tmp_path, value):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert input_error(load_config(ARITH, ["model.path=Org/not-cached"])).startswith(
+        "model.path 'Org/not-cached' is not a local directory, and as a hub id it is not in the Hugging Face cache")
+
+
+def test_tilde_path_says_it_is_not_expanded():
+    msg = input_error(load_config(ARITH, ["model.path=~/model"]))
+    assert msg.startswith("model.path '~/model' is not a directory (~ is not expanded: write the full path): give")
+    assert "~ is not expanded" not in input_error(load_config(ARITH, ["model.path=./model"]))
+
+
+def test_hub_id_cached_as_missing_offline(monkeypatch, tmp_path):
+    """The cache's marker of a file known not to exist (.no_exist/<rev>/config.json) is not a cached model."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--Org--gone"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / ".no_exist" / "abc123").mkdir(parents=True)
+    (repo / ".no_exist" / "abc123" / "config.json").touch()
+    msg = input_error(load_config(ARITH, ["model.path=Org/gone"]))
+    assert msg.startswith("model.path 'Org/gone' is not a local directory, and as a hub id it is not in the Hugging "
+                          f"Face cache ({tmp_path / 'hub'}) while HF_HUB_OFFLINE=1 forbids downloading")
+
+
+def test_dataset_and_eval_dataset_are_checked_with_their_own_splits(monkeypatch, tmp_path):
+    import storage.datasets
+
+    seen = []
+    monkeypatch.setattr(storage.datasets, "check_readable", lambda uri, fmt, split: seen.append((uri, fmt, split)))
+    check_inputs(load_config(None, ["task.kind=dataset", f"lake.uri={tmp_path / 'lake'}",
+                                    "task.dataset={uri: org/train-set, eval_uri: org/eval-set, format: hf, "
+                                    "split: train, eval_split: validation}"]))
+    assert seen == [("org/train-set", "hf", "train"), ("org/eval-set", "hf", "validation")]
+
+
+def test_first_line_of_an_error_is_cut_at_300_characters():
+    assert _first_line(ValueError("x" * 400)) == "ValueError: " + "x" * 300 + "..."
+    assert _first_line(ValueError("x" * 300)) == "ValueError: " + "x" * 300
+    assert _first_line(RuntimeError("\n first\nsecond")) == "RuntimeError: first"
+    assert _first_line(KeyError()) == "KeyError: "

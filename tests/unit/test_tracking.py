@@ -3,6 +3,8 @@ that failed is raised rather than lost."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -30,3 +32,85 @@ def test_a_failed_write_is_raised(tmp_path):
     tracker.log_metrics({"reward/mean": 0.5}, 0)  # returns at once: the write happens on the writer thread
     with pytest.raises(MlflowException):
         tracker.flush()
+
+
+def _uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def _wait_written(tracker: Tracker) -> None:
+    deadline = time.monotonic() + 30
+    while not all(f.done() for f in tracker._pending):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _failed_write(tracker: Tracker, client: MlflowClient) -> None:
+    """A queued write that fails (the run is deleted while it is written), the run alive again afterwards."""
+    client.delete_run(tracker.run_id)
+    tracker.log_metrics({"reward/mean": 0.5}, 0)
+    _wait_written(tracker)
+    client.restore_run(tracker.run_id)
+
+
+def test_resumed_run_logs_into_the_same_mlflow_run(tmp_path):
+    uri = _uri(tmp_path)
+    first = Tracker.start(uri, "exp", "run-r", tags={"lockstep.mode": "periodic"})
+    first.log_metrics({"reward/mean": 0.1}, 0)
+    first.finish()
+    again = Tracker.start(uri, "exp", "run-r")
+    client = MlflowClient(tracking_uri=uri)
+    assert again.run_id == first.run_id
+    run = client.get_run(again.run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.tags["lockstep.run_id"] == "run-r" and run.data.tags["lockstep.mode"] == "periodic"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    other = Tracker.start(uri, "exp", "run-s")
+    assert other.run_id != first.run_id
+
+
+@pytest.mark.parametrize("mlflow_truncates", ["true", "false"])
+def test_params_are_all_logged_and_long_values_truncated(tmp_path, monkeypatch, mlflow_truncates):
+    # the tracker cuts values itself: MLflow refuses a long one when MLFLOW_TRUNCATE_LONG_VALUES=false
+    monkeypatch.setenv("MLFLOW_TRUNCATE_LONG_VALUES", mlflow_truncates)
+    uri = _uri(tmp_path)
+    tracker = Tracker.start(uri, "exp", "run-p")
+    params = {f"p{i:03d}": i for i in range(250)}
+    params["long"] = "x" * 10_000
+    tracker.log_params(params)
+    logged = MlflowClient(tracking_uri=uri).get_run(tracker.run_id).data.params
+    assert len(logged) == 251
+    assert logged["p000"] == "0" and logged["p249"] == "249"
+    assert logged["long"] == "x" * 6000
+
+
+def test_a_failed_write_is_raised_by_the_next_log_call(tmp_path):
+    uri = _uri(tmp_path)
+    tracker = Tracker.start(uri, "exp", "run-n")
+    _failed_write(tracker, MlflowClient(tracking_uri=uri))
+    with pytest.raises(MlflowException):
+        tracker.log_metrics({"reward/mean": 0.6}, 1)
+    tracker.log_metrics({"reward/mean": 0.7}, 2)  # the error is raised once, then forgotten
+    tracker.flush()
+
+
+def test_finish_raises_a_failed_write_and_marks_the_run_failed(tmp_path):
+    uri = _uri(tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    tracker = Tracker.start(uri, "exp", "run-f")
+    _failed_write(tracker, client)
+    with pytest.raises(MlflowException):
+        tracker.finish()
+    assert client.get_run(tracker.run_id).info.status == "FAILED"
+
+
+def test_a_failing_run_keeps_its_own_error_and_status(tmp_path):
+    uri = _uri(tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    tracker = Tracker.start(uri, "exp", "run-k")
+    _failed_write(tracker, client)
+    tracker.finish("KILLED")  # the run's own error is the one to report: nothing raised here
+    assert client.get_run(tracker.run_id).info.status == "FAILED"
+    plain = Tracker.start(uri, "exp", "run-k2")
+    plain.finish("KILLED")
+    assert client.get_run(plain.run_id).info.status == "KILLED"
