@@ -90,6 +90,12 @@ def test_no_usable_rows_is_an_error(tmp_path):
         ("8", "7", 0.0),
         ("", "7", 0.0),
         ("#### 6", "7", 0.0),
+        # a \boxed{} in the working before the marker is not the answer: the one after the last #### is
+        ("\\boxed{5} then #### 7", "7", 1.0),
+        ("#### \\boxed{5} #### 7", "7", 1.0),
+        ("\\boxed{7} then #### 5", "7", 0.0),
+        ("7", "seven", 0.0),  # an unparseable reference verifies nothing
+        ("The answer is 7.", "no number here", 0.0),
     ],
 )
 def test_math_verifier(response, answer, expected):
@@ -185,18 +191,6 @@ def test_check_readable_turns_a_backend_network_error_into_a_dataset_error():
         check_readable("unreachable://host/train.jsonl")
     assert str(e.value) == ("unreachable://host/train.jsonl (format jsonl): cannot be read (RuntimeError: Name or "
                             "service not known); check the URL and the network, or copy the file to a local path")
-
-
-def test_math_verifier_takes_the_answer_after_the_last_marker():
-    # a \boxed{} in the working before the marker is not the answer: parsed whole, "\boxed{5}" would win
-    assert math_reward("\\boxed{5} then #### 7", "7") == 1.0
-    assert math_reward("#### \\boxed{5} #### 7", "7") == 1.0  # the last marker, not the first
-    assert math_reward("\\boxed{7} then #### 5", "7") == 0.0
-
-
-def test_math_verifier_unparseable_reference_scores_zero():
-    assert math_reward("7", "seven") == 0.0
-    assert math_reward("The answer is 7.", "no number here") == 0.0
 
 
 def test_math_verifier_errors_are_not_verified_never_a_crash(monkeypatch):

@@ -1,5 +1,6 @@
 """MLflow metrics are written on a background thread, in order; every one is there after `flush`, and a write
-that failed is raised rather than lost."""
+that failed is raised rather than lost (by the next call, or by `finish`, which marks the run FAILED). A resumed
+run logs into its MLflow run; params are logged in full, long values cut."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from mlflow.tracking import MlflowClient
 from storage.tracking import Tracker
 
 
+def _uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
 def test_metrics_are_all_written_in_order_after_flush(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = _uri(tmp_path)
     tracker = Tracker.start(uri, "exp", "run-a")
     for step in range(30):
         tracker.log_metrics({"reward/mean": step / 10, "time/iteration_s": 1.0 + step}, step)
@@ -25,17 +30,13 @@ def test_metrics_are_all_written_in_order_after_flush(tmp_path):
 
 
 def test_a_failed_write_is_raised(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = _uri(tmp_path)
     tracker = Tracker.start(uri, "exp", "run-b")
     client = MlflowClient(tracking_uri=uri)
     client.delete_run(tracker.run_id)  # writes to a deleted run are refused by the server
     tracker.log_metrics({"reward/mean": 0.5}, 0)  # returns at once: the write happens on the writer thread
     with pytest.raises(MlflowException):
         tracker.flush()
-
-
-def _uri(tmp_path) -> str:
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
 def _wait_written(tracker: Tracker) -> None:
@@ -104,7 +105,7 @@ def test_finish_raises_a_failed_write_and_marks_the_run_failed(tmp_path):
     assert client.get_run(tracker.run_id).info.status == "FAILED"
 
 
-def test_a_failing_run_keeps_its_own_error_and_status(tmp_path):
+def test_a_failing_run_is_marked_failed_without_raising_a_write_error(tmp_path):
     uri = _uri(tmp_path)
     client = MlflowClient(tracking_uri=uri)
     tracker = Tracker.start(uri, "exp", "run-k")
