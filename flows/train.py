@@ -85,7 +85,11 @@ def _iteration(s: RunSession, k: int) -> dict:
             for f in rollouts:
                 f.wait()
             sync_wait = time.perf_counter() - t_wait
-        train = train_task(run_id, k, plan["groups"], t0)
+        s.rollouts = rollouts  # the train task stops waiting for groups once these have all returned
+        try:
+            train = train_task(run_id, k, plan["groups"], t0)
+        finally:
+            s.rollouts = []
         results = [f.result() for f in rollouts]
     promoted = promote_task(run_id, k)
     bodies = plan["body_s"] + sync_wait + train["time/train_task_s"] + promoted["body_s"]

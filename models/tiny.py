@@ -148,24 +148,39 @@ def _check_model_files(path: Path) -> dict:
     return config
 
 
-def _check_vocab(path: Path, config: dict, tokenizer) -> None:
+_PROBE = "Q: 12+7=?\nA: 19\n"
+
+
+def _check_tokenizer(path: Path, config: dict, tokenizer) -> None:
+    """The tokenizer encodes text (a tokenizer_config.json without its vocabulary loads, and encodes everything as
+    nothing) and is no larger than the embedding table."""
+    ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+    if not ids or all(i == tokenizer.unk_token_id for i in ids):
+        raise ModelDirError(f"{path}: the tokenizer encodes {_PROBE!r} as {ids}: its vocabulary is missing "
+                            "(tokenizer.json, or vocab.json + merges.txt / tokenizer.model beside "
+                            "tokenizer_config.json); save the tokenizer there again with tokenizer.save_pretrained")
     vocab_size = config.get("vocab_size")  # absent at the top level of some multimodal configs: nothing to compare
     if isinstance(vocab_size, int) and len(tokenizer) > vocab_size:
+        hint = ""
+        if not (path / "tokenizer_config.json").is_file():
+            hint = (f" (there is no tokenizer_config.json, so {type(tokenizer).__name__} added its default special "
+                    "tokens: save the tokenizer with tokenizer.save_pretrained, which writes both files)")
         raise ModelDirError(f"{path}: tokenizer has {len(tokenizer)} tokens but config.json vocab_size={vocab_size}: "
                             "ids past the embedding table would fail in the first forward pass; use the tokenizer "
-                            "the model was trained with, or resize the embeddings and save again")
+                            f"the model was trained with, or resize the embeddings and save again{hint}")
 
 
 def check_model_dir(path: str | Path) -> None:
     """Cheap pre-flight check of a local Hugging Face directory, without loading weights: config.json valid with
-    `model_type`, weights and tokenizer files present, and a tokenizer (loaded) no larger than the embedding."""
+    `model_type`, weights and tokenizer files present, and a tokenizer (loaded) that encodes text and is no
+    larger than the embedding."""
     path = Path(path)
     config = _check_model_files(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise ModelDirError(f"{path}: the tokenizer does not load ({e})") from None
-    _check_vocab(path, config, tokenizer)
+    _check_tokenizer(path, config, tokenizer)
 
 
 def load_hf(path: str | Path, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
@@ -175,5 +190,5 @@ def load_hf(path: str | Path, *, dtype: torch.dtype = torch.float32, attn_implem
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if config is not None:
-        _check_vocab(Path(path), config, tokenizer)
+        _check_tokenizer(Path(path), config, tokenizer)
     return model.eval(), tokenizer

@@ -250,6 +250,24 @@ def idle_rollout_threads(cfg) -> int:
     return max(r.train_threads, min(os.cpu_count() or 1, r.train_threads + r.rollout_workers * r.rollout_threads))
 
 
+class RolloutsLostError(RuntimeError):
+    """Every rollout worker finished the iteration, yet some of its groups never landed in the lake."""
+
+
+def _check_rollouts_finished(s, run_id: str, iteration: int, seen: set[str], missing: int) -> None:
+    """Sync/periodic: the rollout tasks have all returned, so every shard of the iteration is published. A task
+    that failed raises its error; shards listed since the last look are left to the caller; otherwise the missing
+    groups will never come, and waiting for them would hang the run."""
+    for f in s.rollouts:
+        f.result()  # raises the task's error
+    if any(p not in seen for p in list_shards(s, run_id, iteration)):
+        return
+    where = s.lake.iteration_rollouts(run_id, s.version, iteration)
+    raise RolloutsLostError(f"iteration {iteration}: the rollout workers finished, but {missing} of its groups are "
+                            f"not in {where} ({len(seen)} shards read): a shard was removed or written elsewhere; "
+                            "`lockstep resume` regenerates the missing chunks")
+
+
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(run_id: str, iteration: int, expected_groups: int, started_at: float) -> dict:
     """Stream the iteration's shards as they land, micro-step on each, one optimizer step at the end (one per PPO
@@ -277,6 +295,9 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
         if not new:
             if not s.pool.alive():
                 raise WorkerError(s.pool.failed or "a rollout worker died")
+            if s.rollouts and all(f.wrapped_future.done() for f in s.rollouts):
+                _check_rollouts_finished(s, run_id, iteration, seen, expected_groups - groups_done)
+                continue
             time.sleep(POLL_S)
             wait += time.perf_counter() - t0
             continue

@@ -56,6 +56,7 @@ class RunSession:
     weights: SharedWeights | None = None  # `pipeline.push_weights`: how new versions reach the workers
     saving: tuple[int, Future] | None = None  # the version whose checkpoint is being written in the background
     held: list = field(default_factory=list)  # background work held back until `release` (callables)
+    rollouts: list = field(default_factory=list)  # sync/periodic: the iteration's rollout task futures
     _unstarted_save: tuple | None = field(default=None, repr=False)  # (version, fn): a write not started yet
     _saver: ThreadPoolExecutor | None = field(default=None, repr=False)
 
@@ -164,6 +165,12 @@ def task_prompts(cfg: Config, tokenizer) -> tuple[list, list, list, list]:
             if t.kind == "arithmetic" or cfg.data.on_bad_row == "fail":
                 raise ValueError(f"{keep.count(False)} {name} prompts exceed task.max_prompt_tokens="
                                  f"{t.max_prompt_tokens} (e.g. prompt {first}); shorten them or raise the limit")
+            if not any(keep):
+                raise ValueError(f"all {len(keep)} {name} prompts exceed task.max_prompt_tokens={t.max_prompt_tokens} "
+                                 f"(e.g. prompt {first}); shorten them or raise the limit")
+            logging.getLogger("lockstep").warning(
+                "%d of %d %s prompts skipped: longer than task.max_prompt_tokens=%d (e.g. prompt %s)",
+                keep.count(False), len(keep), name, t.max_prompt_tokens, first)
             prompts = [p for p, k in zip(prompts, keep) if k]
             ids = [i for i, k in zip(ids, keep) if k]
         return prompts, ids
@@ -205,8 +212,6 @@ def _dataset_prompts(cfg: Config) -> tuple[list, list]:
                   max_prompt_chars=cfg.task.max_prompt_tokens * 8)  # a cheap pre-filter; tokens are checked after
     rows, report = load_prompts(d.uri, fmt=d.format, split=d.split, limit=d.max_rows, **common)
     if report.skipped:
-        import logging
-
         logging.getLogger("lockstep").warning("%s (e.g. %s)", report.summary(), "; ".join(report.examples[:3]))
     if d.eval_uri:
         held, _ = load_prompts(d.eval_uri, fmt=d.format, split=d.eval_split, limit=cfg.task.n_eval, **common)

@@ -273,6 +273,39 @@ def test_mask_positions_gather_hand_drawn():
     assert packed.mask.tolist() == [[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]]
 
 
+def test_unshared_layout_hand_drawn():
+    """One right-padded row [prompt, response] per sample: position ids 0..L-1 in every row (as the engine numbers a
+    prompt and its response), mask 1 on the real tokens, pad_id (here 99, not 0) everywhere else."""
+    groups = [Group([11, 12], [[21, 22, 23], [31]]), Group([13], [[41]])]
+    packed = pack_unshared(groups, 99)
+    assert packed.input_ids.tolist() == [[11, 12, 21, 22, 23], [11, 12, 31, 99, 99], [13, 41, 99, 99, 99]]
+    assert packed.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4]] * 3
+    # logits at gather_pos predict: 21 <- 12 (1), 22 <- 21 (2), 23 <- 22 (3); 31 <- 12 (1); 41 <- 13 (0)
+    assert packed.gather_row.tolist() == [0, 1, 2]
+    assert packed.gather_pos.tolist() == [[1, 2, 3], [1, 0, 0], [0, 0, 0]]
+    assert packed.targets.tolist() == [[21, 22, 23], [31, 99, 99], [41, 99, 99]]
+    assert packed.mask.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_nothing_to_pack_is_never_shared():
+    """No tokens at all (an empty micro-batch): no layout saves anything, and no division by zero."""
+    assert token_costs([]) == (0, 0)
+    assert not use_shared([])
+    assert not use_shared([Group([], [[]])], min_saving=0.0)
+
+
+def test_token_logprobs_of_bf16_logits_are_fp32():
+    """The trainer's log-probs of a bf16 model are taken in fp32 (the engine's are): bf16's 8-bit mantissa would move
+    them by ~1e-2 and break the engine/trainer parity the importance ratios rest on."""
+    logits = (torch.randn(2, 3, VOCAB, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    targets = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    got = token_logprobs(logits, targets, temperature=0.7)
+    assert got.dtype == torch.float32
+    ref = torch.log_softmax(logits.double() / 0.7, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
@@ -329,6 +362,12 @@ def test_flex_mask_mod_equals_the_dense_mask(case):
     mod = packing.shared_mask_mod(packed.segments)
     b, q, kv = torch.meshgrid(torch.arange(rows), torch.arange(L), torch.arange(L), indexing="ij")
     assert torch.equal(mod(b, None, q, kv), packed.attention_mask[:, 0])
+
+
+def test_flex_block_mask_refuses_the_unshared_layout():
+    """The unshared layout has no segment ids: asking for its block mask is an error that says which layout to use."""
+    with pytest.raises(ValueError, match=r"^flex_block_mask needs the shared layout \(pack_shared\)$"):
+        packing.flex_block_mask(pack_unshared(_case("g1"), PAD), "cpu")
 
 
 @pytest.mark.parametrize("case", ["padding"])  # several groups, unequal lengths, an empty response, padding

@@ -166,6 +166,17 @@ def test_greedy_is_deterministic_and_argmax(model, prompts):
     assert max_masked_diff(stored(a), token_logprobs(logits, targets), mask) <= 1e-4
 
 
+def test_greedy_logprobs_ignore_temperature_and_top_p(model, prompts):
+    """Greedy decoding samples nothing: its log-probs are the model's own (log softmax of the raw logits), the same
+    whatever temperature and top_p say, as the trainer recomputes them at temperature 1."""
+    a = generate(model, prompts, SamplingParams(max_new_tokens=8, greedy=True))
+    b = generate(model, prompts, SamplingParams(max_new_tokens=8, greedy=True, temperature=0.5, top_p=0.5))
+    assert [[s.response_ids for s in g] for g in a] == [[s.response_ids for s in g] for g in b]
+    torch.testing.assert_close(stored(b), stored(a), atol=1e-6, rtol=0)
+    # no near-certain argmax: a sharpened (T=0.5) or truncated (top-p) log-prob would differ visibly
+    assert max(lp for g in a for s in g for lp in s.logprobs) < -0.05
+
+
 # ------------------------------------------------------------------------------------------------ top-p
 
 
@@ -197,6 +208,15 @@ def test_top_p_just_below_one_still_truncates():
     logits = torch.log(torch.tensor([[0.99995, 0.00005]], dtype=torch.float64))
     p = _sampling_logprobs(logits, 1.0, 0.9999).exp()  # the mass before the 2nd (.99995) >= .9999: dropped
     torch.testing.assert_close(p, torch.tensor([[1.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_top_p_of_one_keeps_a_token_whose_preceding_mass_rounds_to_one():
+    """top_p=1 means no truncation: p = e^-30 lies below fp32 resolution (the mass before it is 1.0 in fp32) and still
+    keeps its log-prob of -30 instead of being cut from the distribution."""
+    logits = torch.tensor([[0.0, -30.0]])
+    logp = _sampling_logprobs(logits, 1.0, 1.0)
+    assert torch.isfinite(logp).all()
+    torch.testing.assert_close(logp, torch.log_softmax(logits, dim=-1), atol=1e-6, rtol=0)
 
 
 def test_a_uniform_of_exactly_zero_never_picks_a_token_outside_the_nucleus(model, monkeypatch):
@@ -305,6 +325,9 @@ def test_input_validation(model, prompts):
         generate(model, [prompts[0], []], params)
     with pytest.raises(ValueError, match="seeds must be 2 lists of 4 seeds"):
         generate(model, prompts[:2], params, seeds=[[1, 2, 3, 4], [1, 2, 3]])
+    for rows in (seeds_for([0, 1, 2]), seeds_for([0])):  # one seed row per prompt, no more, no fewer
+        with pytest.raises(ValueError, match="seeds must be 2 lists of 4 seeds"):
+            generate(model, prompts[:2], params, seeds=rows)
 
 
 # ------------------------------------------------------------------------------------------------ interruptible generation

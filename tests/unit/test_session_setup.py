@@ -1,0 +1,190 @@
+"""What `tasks.session` builds a run from: the task's prompts and their token ids, the dataset's held-out split, the
+bootstrap cache key, the trainer's settings, a resumed trainer's state, and the session's end."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from configs.schema import load_config
+from models.tiny import build_char_tokenizer, build_tiny_model
+from models.trainer import LossSettings, PolicyTrainer
+from storage.checkpoints import save_checkpoint
+from storage.lake import Lake
+from tasks import session as session_module
+from tasks.preflight import InputError
+
+torch.set_num_threads(1)
+
+SMALL = ["task.max_operand=5", "task.n_eval=5", "task.n_shots=2", "rollout.prompts_per_iteration=4"]
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+
+
+def _dataset(tmp_path, questions: list[str]):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": f"#### {i}"}) + "\n" for i, q in enumerate(questions)))
+    return ["task.kind=dataset", "task.n_shots=0", f"task.dataset={{uri: {path}}}", "rollout.prompts_per_iteration=2"]
+
+
+def test_a_prompt_of_exactly_max_prompt_tokens_is_kept():
+    """`task.max_prompt_tokens` is inclusive: a limit equal to the longest prompt keeps every prompt; one less refuses."""
+    tok = build_char_tokenizer()
+    cfg = load_config(None, SMALL)
+    prompts, ids, _, _ = session_module.task_prompts(cfg, tok)
+    longest = max(len(i) for i in ids)
+    cfg.task.max_prompt_tokens = longest  # the limit is inclusive
+    again, again_ids, _, _ = session_module.task_prompts(cfg, tok)
+    assert len(again) == len(prompts) and again_ids == ids
+    cfg.task.max_prompt_tokens = longest - 1
+    with pytest.raises(ValueError, match=f"training prompts exceed task.max_prompt_tokens={longest - 1}"):
+        session_module.task_prompts(cfg, tok)
+
+
+def test_dataset_prompts_skipped_for_length_keep_ids_aligned_and_indexed(tmp_path):
+    """`data.on_bad_row: skip` drops a dataset prompt over `task.max_prompt_tokens`: every remaining prompt keeps its
+    own token ids (train and held-out), and training prompts are numbered 0..n-1 (the index the workers and the plan
+    use), whatever rows the held-out split took."""
+    questions = [f"{i}+{i}?" for i in range(12)]
+    questions[1] = "what is " + "1+" * 12 + "1?"  # ~46 tokens with the template: over the limit of 40
+    cfg = load_config(None, [*_dataset(tmp_path, questions), "task.n_eval=3", "task.max_prompt_tokens=40"])
+    tok = build_char_tokenizer()
+    train, train_ids, held, held_ids = session_module.task_prompts(cfg, tok)
+    assert len(train) + len(held) == 11  # the long row is gone from whichever split it fell in
+    for prompts, ids in ((train, train_ids), (held, held_ids)):
+        assert len(ids) == len(prompts)
+        assert all(i == tok(p.text, add_special_tokens=False)["input_ids"] for p, i in zip(prompts, ids))
+        assert all(len(i) <= 40 for i in ids)
+    assert [p.prompt_id for p in train] == list(range(len(train)))
+
+
+def test_a_dataset_with_only_n_eval_rows_is_refused_by_name(tmp_path):
+    """Holding out n_eval rows of n_eval would leave no training prompt: refused before the run, naming the file."""
+    cfg = load_config(None, [*_dataset(tmp_path, ["1+1?", "2+2?", "3+3?"]), "task.n_eval=3"])
+    with pytest.raises(InputError, match=r"rows.jsonl has 3 usable rows: too few to hold out task.n_eval=3"):
+        session_module.check_task(cfg)
+
+
+def test_the_bootstrap_cache_key_depends_on_the_run_seed():
+    """v0 is SFT from a model initialised with the run seed: another seed must not reuse a cached v0."""
+    a, b = load_config(None, ["run.seed=1"]), load_config(None, ["run.seed=2"])
+    assert session_module.bootstrap_key(a) == session_module.bootstrap_key(load_config(None, ["run.seed=1"]))
+    assert session_module.bootstrap_key(a) != session_module.bootstrap_key(b)
+
+
+@pytest.mark.parametrize("mode,decoupled", [("sync", False), ("periodic", False), ("async", True)])
+def test_build_trainer_passes_the_configured_settings(mode, decoupled):
+    """AdamW gets the configured betas, weight decay and rate; the loss the rollout temperature and clip range; the
+    decoupled (off-policy) loss is used in async mode only (sync and periodic are exactly on-policy)."""
+    cfg = load_config(None, [f"pipeline.mode={mode}", "trainer.beta1=0.8", "trainer.beta2=0.95",
+                             "trainer.weight_decay=0.1", "trainer.lr=0.002", "rollout.temperature=0.7",
+                             "algorithm.clip_high=0.28"])
+    tok = build_char_tokenizer()
+    trainer = session_module.build_trainer(cfg, build_tiny_model(len(tok), seed=0, **TINY), tok, torch.device("cpu"))
+    group = trainer.optimizer.param_groups[0]
+    assert (group["betas"], group["weight_decay"], group["lr"]) == ((0.8, 0.95), 0.1, 0.002)
+    assert (trainer.loss.temperature, trainer.loss.clip_low, trainer.loss.clip_high) == (0.7, 0.2, 0.28)
+    assert trainer.loss.decoupled is decoupled
+
+
+def _saved(tmp_path, version: int):
+    tok = build_char_tokenizer()
+    model = build_tiny_model(len(tok), seed=0, **TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.arange(4, 20).repeat(2, 1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    lake = Lake(str(tmp_path / "lake"))
+    save_checkpoint(lake, "r", version, model, tok, optimizer=opt)
+    return lake, tok, opt
+
+
+def test_a_recomputing_trainer_resumed_at_v0_has_no_proximal_weights(tmp_path):
+    """v0 has no version before it: resuming an async `prox_logp: recompute` run at v0 loads v0 and no proximal
+    policy (the first batch's tokens are at most one version behind, which needs none)."""
+    lake, tok, _ = _saved(tmp_path, 0)
+    trainer = PolicyTrainer(build_tiny_model(len(tok), seed=5, **TINY), None, lr=1e-2,
+                            loss=LossSettings(decoupled=True, prox_logp="recompute"))
+    session_module.restore_trainer(trainer, lake, "r", 0)
+    assert trainer.prox_version is None
+
+
+def test_a_resumed_trainer_continues_with_the_saved_optimizer_moments(tmp_path):
+    """Resume restores AdamW's moments and step count of the checkpoint, not a fresh optimizer state."""
+    lake, tok, opt = _saved(tmp_path, 1)
+    trainer = PolicyTrainer(build_tiny_model(len(tok), seed=5, **TINY), None, lr=1e-2)
+    session_module.restore_trainer(trainer, lake, "r", 1)
+    saved, restored = opt.state_dict()["state"], trainer.optimizer.state_dict()["state"]
+    assert saved.keys() == restored.keys() and len(saved) > 0
+    for i in saved:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(saved[i][name]), torch.as_tensor(restored[i][name])), (i, name)
+
+
+def test_close_ends_the_workers_and_shared_weights_even_when_the_background_write_failed(caplog):
+    """The run is failing already: the write's error is logged, not raised over the run's own error, and the
+    workers and the shared-memory weights are still released."""
+    s = session_module.RunSession(*(None,) * 11, version=0, device=None)
+    released: list[str] = []
+    s.pool = SimpleNamespace(close=lambda: released.append("workers"))
+    s.weights = SimpleNamespace(unlink=lambda: released.append("weights"))
+
+    def fail():
+        raise OSError("disk full")
+
+    s.save_in_background(3, fail)
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        s.close()
+    assert released == ["workers", "weights"]
+    assert "checkpoint written in the background failed: disk full" in caplog.text
+
+
+def test_resume_of_a_run_that_does_not_exist_is_refused(tmp_path):
+    """`resume` of a run id the lake does not hold fails by name and creates nothing (it must not start a new run)."""
+    cfg = load_config(None, [f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false", "run.run_id=ghost",
+                             "bootstrap.steps=0", *SMALL])
+    try:
+        s = session_module.open_session(cfg, resume=True)
+    except FileNotFoundError as e:
+        assert "no run ghost in" in str(e) and "to resume" in str(e)
+    else:  # it created the run instead: release what it started before failing
+        s.close()
+        session_module.unregister(s.run_id)
+        pytest.fail("resume of a missing run created it")
+    lake = Lake(str(tmp_path / "lake"))
+    assert not lake.fs.exists(lake.run_dir("ghost"))
+
+
+@pytest.mark.parametrize("mode,engine,push,expected", [
+    ("sync", "builtin", True, True), ("periodic", "builtin", True, True),
+    ("async", "builtin", True, False),  # async workers load each promoted checkpoint mid-generation
+    ("periodic", "vllm", True, False),  # vLLM loads checkpoints
+    ("periodic", "builtin", False, False),
+])
+def test_weights_are_pushed_through_shared_memory_only_where_workers_can_take_them(mode, engine, push, expected):
+    """`pipeline.push_weights` applies to sync / periodic with the builtin engine only."""
+    cfg = load_config(None, [f"pipeline.mode={mode}", f"pipeline.push_weights={str(push).lower()}"])
+    cfg.rollout.engine = engine  # (a vLLM config also needs a GPU device; only the decision is looked at here)
+    assert session_module.pushes_weights(cfg) is expected
+
+
+def test_held_out_prompts_all_over_the_token_limit_are_refused_before_the_run(tmp_path, caplog):
+    """`data.on_bad_row: skip` drops prompts over `task.max_prompt_tokens` with a warning that counts them; when it
+    would drop every held-out prompt (an eval file of long questions) the run is refused before it starts, instead
+    of dividing by zero at its first evaluation after the bootstrap."""
+    long_q = "what is " + "1+" * 15 + "1?"  # ~55 tokens with the template: over the limit of 40
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in [long_q, "1+0?"]))
+    overrides = _dataset(tmp_path, [f"{i}+1?" for i in range(10)])
+    overrides[2] = f"task.dataset={{uri: {tmp_path / 'rows.jsonl'}, eval_uri: {evals}}}"
+    cfg = load_config(None, [*overrides, "task.n_eval=2", "task.max_prompt_tokens=40"])
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        train, _, held, _ = session_module.task_prompts(cfg, build_char_tokenizer())
+    assert len(train) == 10 and len(held) == 1 and "1+0?" in held[0].text
+    assert "1 of 2 held-out prompts skipped: longer than task.max_prompt_tokens=40 (e.g. prompt " in caplog.text
+    evals.write_text("".join(json.dumps({"question": long_q, "answer": "#### 1"}) + "\n" for _ in range(2)))
+    with pytest.raises(InputError, match=r"^all 2 held-out prompts exceed task.max_prompt_tokens=40 \(e.g. prompt "):
+        session_module.check_task(cfg)
