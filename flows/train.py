@@ -85,7 +85,9 @@ def _iteration(s: RunSession, k: int) -> dict:
             for f in rollouts:
                 f.wait()
             sync_wait = time.perf_counter() - t_wait
-        s.rollouts = rollouts  # the train task stops waiting for groups once these have all returned
+        # the train task stops waiting for groups once these have all returned; they go through the session, as
+        # Prefect would wait for futures passed as a task's parameters before starting it (no streaming)
+        s.rollouts = rollouts
         try:
             train = train_task(run_id, k, plan["groups"], t0)
         finally:

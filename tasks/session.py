@@ -17,6 +17,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from storage.lake import Lake, atomic_write_bytes, validate_run_id
 from storage.tracking import Tracker
 from tasks.preflight import InputError, check_backend, check_inputs, check_tracking
 from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
+
+if TYPE_CHECKING:  # the session does not import Prefect; the flow does
+    from prefect.futures import PrefectFuture
 
 
 @dataclass
@@ -56,7 +60,7 @@ class RunSession:
     weights: SharedWeights | None = None  # `pipeline.push_weights`: how new versions reach the workers
     saving: tuple[int, Future] | None = None  # the version whose checkpoint is being written in the background
     held: list = field(default_factory=list)  # background work held back until `release` (callables)
-    rollouts: list = field(default_factory=list)  # sync/periodic: the iteration's rollout task futures
+    rollouts: list[PrefectFuture] = field(default_factory=list)  # sync/periodic: the iteration's rollout tasks
     _unstarted_save: tuple | None = field(default=None, repr=False)  # (version, fn): a write not started yet
     _saver: ThreadPoolExecutor | None = field(default=None, repr=False)
 
@@ -147,15 +151,16 @@ def default_run_id(cfg: Config) -> str:
     return cfg.run.run_id or f"{cfg.run.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
 
 
-def task_prompts(cfg: Config, tokenizer) -> tuple[list, list, list, list]:
-    """(train prompts, their token ids, held-out prompts, their token ids) of the configured task."""
+def task_prompts(cfg: Config, tokenizer, warn: bool = False) -> tuple[list, list, list, list]:
+    """(train prompts, their token ids, held-out prompts, their token ids) of the configured task. `warn` logs what
+    `data.on_bad_row: skip` dropped (once per run: the run's session passes it, the checks before it do not)."""
     t = cfg.task
     if t.kind == "arithmetic":
         train, held_out = arithmetic.build_splits(t.max_operand, tuple(t.ops), t.n_eval, t.split_seed)
         train_prompts = arithmetic.make_train_prompts(train, t.n_shots, t.split_seed, t.shot_sets)
         eval_prompts = arithmetic.make_prompts(held_out, train, t.n_shots, t.split_seed + 1)
     else:
-        train_prompts, eval_prompts = _dataset_prompts(cfg)
+        train_prompts, eval_prompts = _dataset_prompts(cfg, warn)
 
     def encode(prompts, name):
         ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -168,9 +173,10 @@ def task_prompts(cfg: Config, tokenizer) -> tuple[list, list, list, list]:
             if not any(keep):
                 raise ValueError(f"all {len(keep)} {name} prompts exceed task.max_prompt_tokens={t.max_prompt_tokens} "
                                  f"(e.g. prompt {first}); shorten them or raise the limit")
-            logging.getLogger("lockstep").warning(
-                "%d of %d %s prompts skipped: longer than task.max_prompt_tokens=%d (e.g. prompt %s)",
-                keep.count(False), len(keep), name, t.max_prompt_tokens, first)
+            if warn:
+                logging.getLogger("lockstep").warning(
+                        "%d of %d %s prompts skipped: longer than task.max_prompt_tokens=%d (e.g. prompt %s)",
+                    keep.count(False), len(keep), name, t.max_prompt_tokens, first)
             prompts = [p for p, k in zip(prompts, keep) if k]
             ids = [i for i, k in zip(ids, keep) if k]
         return prompts, ids
@@ -201,7 +207,7 @@ def check_task(cfg: Config) -> None:
         raise InputError(str(e)) from None
 
 
-def _dataset_prompts(cfg: Config) -> tuple[list, list]:
+def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
     import random
 
     from storage.datasets import load_prompts
@@ -211,7 +217,7 @@ def _dataset_prompts(cfg: Config) -> tuple[list, list]:
                   on_bad_row=cfg.data.on_bad_row,
                   max_prompt_chars=cfg.task.max_prompt_tokens * 8)  # a cheap pre-filter; tokens are checked after
     rows, report = load_prompts(d.uri, fmt=d.format, split=d.split, limit=d.max_rows, **common)
-    if report.skipped:
+    if report.skipped and warn:
         logging.getLogger("lockstep").warning("%s (e.g. %s)", report.summary(), "; ".join(report.examples[:3]))
     if d.eval_uri:
         held, _ = load_prompts(d.eval_uri, fmt=d.format, split=d.eval_split, limit=cfg.task.n_eval, **common)
@@ -367,7 +373,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
         restore_trainer(trainer, lake, run_id, version)
         set_aside_unpromoted_rollouts(lake, run_id, version)
 
-    train_prompts, train_ids, eval_prompts, eval_ids = task_prompts(cfg, tokenizer)
+    train_prompts, train_ids, eval_prompts, eval_ids = task_prompts(cfg, tokenizer, warn=True)
     iteration_prompt_ids(cfg, len(train_prompts), 0)  # refuses a batch larger than the training set
     spec = WorkerSpec(
         lake_uri=cfg.lake.uri, run_id=run_id, model_dir=local_v0, threads=cfg.resources.rollout_threads,

@@ -5,11 +5,13 @@ weights, and the audit's wait for the checkpoint it annotates."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import threading
 from datetime import datetime, timezone
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from configs.schema import load_config
 from models.trainer import RolloutGroup
@@ -131,7 +133,7 @@ def test_the_watcher_lists_every_admissible_version_of_an_iteration(tmp_path, mo
         fs.pipe_file(p, b"x")
         paths[(v, k)] = p
     assert iteration.list_shards(s, RUN, 3) == sorted(paths[(v, 3)] for v in (1, 2, 3))
-    s.cfg = load_config(None, [])  # periodic
+    s.cfg = load_config(None, ["pipeline.mode=periodic"])
     assert iteration.list_shards(s, RUN, 3) == [paths[(3, 3)]]
 
 
@@ -227,26 +229,76 @@ def _done(result=None, error: Exception | None = None) -> SimpleNamespace:
     return SimpleNamespace(wrapped_future=wrapped, result=get)
 
 
-def _waiting_trainer(s, rollouts) -> None:
-    s.trainer = SimpleNamespace(set_lr_factor=lambda factor: None)
+def _waiting_trainer(s, rollouts, monkeypatch) -> list[int]:
+    """The session's trainer replaced by one that records the prompts it micro-steps on; live workers; the train
+    task's torch thread settings undone after the test."""
+    trained: list[int] = []
+    s.trainer = SimpleNamespace(set_lr_factor=lambda factor: None, optimizer_step=lambda: {"train/tokens": 1.0},
+                                micro_step=lambda mb, version, behavior_old: trained.extend(g.prompt_id for g in mb))
     s.pool.alive = lambda: True
     s.wait_saved = lambda: None
     s.rollouts = rollouts
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    return trained
 
 
 def test_groups_that_never_land_after_the_rollouts_finished_fail_the_train_task(tmp_path, monkeypatch):
     """Periodic: every rollout task has returned and no shard of the iteration is in the lake: the train task raises
     at once, naming the iteration, the missing groups and where it looked, instead of waiting for good."""
     s = _session(tmp_path, monkeypatch, version=1)
-    _waiting_trainer(s, [_done({"shards": []}), _done({"shards": []})])
-    where = s.lake.iteration_rollouts(RUN, 1, 1)
+    _waiting_trainer(s, [_done({"shards": []}), _done({"shards": []})], monkeypatch)
+    where = re.escape(s.lake.iteration_rollouts(RUN, 1, 1))
     with pytest.raises(iteration.RolloutsLostError, match=rf"^iteration 1: the rollout workers finished, but 8 of its "
                                                             rf"groups are not in {where} \(0 shards read\)"):
         iteration.train_task.fn(RUN, 1, 8, 0.0)
 
 
-def test_a_failed_rollout_task_fails_the_train_task_with_its_own_error(tmp_path, monkeypatch):
+def test_shards_listed_just_after_the_rollouts_finished_are_still_trained(tmp_path, monkeypatch):
+    """The last shards can land between the train task's empty listing and its look at the finished rollout tasks:
+    it lists once more before giving up, and trains every group of the plan."""
     s = _session(tmp_path, monkeypatch, version=1)
-    _waiting_trainer(s, [_done({"shards": []}), _done(error=OSError(28, "No space left on device"))])
+    iteration.plan_task.fn(RUN, 1)
+    for chunk in s.pool.enqueued[0]:
+        _publish(s, chunk, 1)
+    trained = _waiting_trainer(s, [_done({"shards": []})], monkeypatch)
+    real, calls = iteration.list_shards, []
+
+    def late(*args):  # the first listing comes just before the shards land
+        calls.append(args)
+        return [] if len(calls) == 1 else real(*args)
+
+    monkeypatch.setattr(iteration, "list_shards", late)
+    iteration.train_task.fn(RUN, 1, 8, 0.0)
+    assert sorted(trained) == sorted(iteration_prompt_ids(s.cfg, N_TRAIN, 1)) and len(calls) >= 2
+    assert ledger.read_record(s.lake, RUN, 1)["state"] == "trained"
+
+
+def test_a_failed_rollout_task_fails_the_train_task_with_its_own_error(tmp_path, monkeypatch):
+    """A rollout task that raised while its worker process lives on: its error ends the train task's wait."""
+    s = _session(tmp_path, monkeypatch, version=1)
+    _waiting_trainer(s, [_done({"shards": []}), _done(error=OSError(28, "No space left on device"))], monkeypatch)
     with pytest.raises(OSError, match="No space left on device"):
         iteration.train_task.fn(RUN, 1, 8, 0.0)
+
+
+def test_the_flow_hands_the_rollout_tasks_to_the_train_task(monkeypatch):
+    """Periodic: the iteration's rollout futures are in the session while the train task runs (its only way to know
+    the workers are done) and gone after it, also when it fails."""
+    from flows import train as flow
+
+    cfg = load_config(None, ["pipeline.mode=periodic", "resources.rollout_workers=2"])
+    s = SimpleNamespace(run_id=RUN, cfg=cfg, storage_s=0.0, tracker=SimpleNamespace(seconds=0.0), rollouts=[],
+                        release=lambda: None)
+    submitted = [object(), object()]
+    seen: list = []
+    monkeypatch.setattr(flow, "plan_task", lambda run_id, k: {"body_s": 0.0, "groups": 8})
+    monkeypatch.setattr(flow, "rollout_task", SimpleNamespace(submit=lambda run_id, k, w: submitted[w]))
+
+    def train(run_id, k, groups, t0):
+        seen.append(list(s.rollouts))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(flow, "train_task", train)
+    with pytest.raises(RuntimeError, match="stop here"):
+        flow._iteration(s, 0)
+    assert seen == [submitted] and s.rollouts == []

@@ -18,7 +18,16 @@ import torch
 
 from configs.schema import ConfigError, load_config, resolved_json
 from flows import cli
-from models.tiny import ModelDirError, build_char_tokenizer, build_tiny_model, check_model_dir, load_hf, save_hf
+from models.tiny import (
+    DEFAULT_ALPHABET,
+    ModelDirError,
+    _check_tokenizer,
+    build_char_tokenizer,
+    build_tiny_model,
+    check_model_dir,
+    load_hf,
+    save_hf,
+)
 from tasks.preflight import InputError, _first_line, check_backend, check_inputs, check_prefect_api, check_tracking
 from tests.cli_output import cli_stderr, squash
 from tests.ports import free_port
@@ -102,6 +111,109 @@ def test_tokenizer_larger_than_the_embedding(tmp_path):
     # every load path gets it, not an IndexError in the first forward pass
     with pytest.raises(ModelDirError, match=expected):
         load_hf(d)
+
+
+def test_check_model_dir_refuses_a_file(model_dir):
+    path = model_dir / "config.json"
+    with pytest.raises(ModelDirError, match="is not a directory") as e:
+        check_model_dir(path)
+    assert str(e.value) == f"{path} is not a directory: give a Hugging Face model directory"
+
+
+def test_a_tokenizer_in_the_slow_format_is_accepted(model_dir, tmp_path):
+    """vocab.json + merges.txt + tokenizer_config.json, no tokenizer.json (the format of many hub repos): it loads the
+    same ids, so the check passes; tokenizer.json is not required when tokenizer_config.json is there."""
+    d = broken(model_dir, tmp_path)
+    tok = build_char_tokenizer()
+    (d / "tokenizer.json").unlink()
+    (d / "vocab.json").write_text(json.dumps(tok.get_vocab()))
+    (d / "merges.txt").write_text("#version: 0.2\n")
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    check_model_dir(d)
+    _, loaded = load_hf(d)
+    text = "Q: 12+7=?\nA: 19\n"
+    assert loaded(text)["input_ids"] == tok(text)["input_ids"]
+
+
+def test_a_tokenizer_one_token_larger_than_the_embedding_is_refused(tmp_path):
+    """54 tokens against vocab_size 53: the single extra id would already index past the embedding table."""
+    tok = build_char_tokenizer()
+    d = save_hf(build_tiny_model(len(tok), **TINY), build_char_tokenizer(DEFAULT_ALPHABET + "B"), tmp_path / "m")
+    with pytest.raises(ModelDirError, match="tokenizer has 54 tokens but config.json vocab_size=53"):
+        check_model_dir(d)
+    with pytest.raises(ModelDirError, match="tokenizer has 54 tokens but config.json vocab_size=53"):
+        load_hf(d)
+
+
+def test_a_config_without_a_top_level_vocab_size_has_nothing_to_compare(model_dir, tmp_path):
+    """Some multimodal configs keep vocab_size in a sub-config: the check passes instead of raising a TypeError."""
+    d = broken(model_dir, tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    config["text_config"] = {"vocab_size": config.pop("vocab_size")}
+    (d / "config.json").write_text(json.dumps(config))
+    check_model_dir(d)
+
+
+def test_load_hf_honours_dtype_and_attention_kernel(model_dir):
+    model, tok = load_hf(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config._attn_implementation == "eager"
+    assert not model.training and len(tok) == 53
+    model, _ = load_hf(model_dir)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_tokenizer_config_without_its_vocabulary_is_refused(model_dir, tmp_path):
+    """tokenizer_config.json alone loads a 5-token tokenizer that encodes every text as []: refused before a run,
+    by check_model_dir and by load_hf alike, naming the files that carry the vocabulary."""
+    d = broken(model_dir, tmp_path)
+    (d / "tokenizer.json").unlink()
+    for check in (check_model_dir, load_hf):
+        with pytest.raises(ModelDirError, match=r"encodes 'Q: 12\+7=\?\\nA: 19\\n' as \[\]: its vocabulary is "
+                                                r"missing \(tokenizer.json, or vocab.json"):
+            check(d)
+
+
+def test_a_tokenizer_json_without_its_config_is_refused_with_the_reason(model_dir, tmp_path):
+    """tokenizer.json alone: transformers adds its class's default special token (54 tokens for 53 embeddings); the
+    error says the config file is what is missing."""
+    d = broken(model_dir, tmp_path)
+    (d / "tokenizer_config.json").unlink()
+    with pytest.raises(ModelDirError, match=r"tokenizer has 54 tokens but config.json vocab_size=53: .* \(there is "
+                                            r"no tokenizer_config.json, so Qwen2Tokenizer added its default special "
+                                            r"tokens"):
+        check_model_dir(d)
+
+
+def _word_level(words: list[str]):
+    """A word-level tokenizer (whitespace-split words, <unk> for the rest), as some non-LLM vocabularies are."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(["<unk>", "<pad>", *words])}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>")
+
+
+@pytest.mark.parametrize("tok, refused", [
+    (build_char_tokenizer("0123456789+= \n"), False),  # the characters it lacks are dropped, the digits encode
+    (build_char_tokenizer("xyz"), True),  # every character dropped: no tokens
+    (_word_level(["A", "19"]), False),  # some words known
+    (_word_level(["hello"]), True),  # every word <unk>
+], ids=["char-digits", "char-none", "words-some", "words-none"])
+def test_a_tokenizer_that_encodes_none_of_the_probe_is_refused(tok, refused):
+    """A tokenizer that turns the probe text into no tokens, or into <unk> only, is refused like one without a
+    vocabulary; one that still encodes part of it is accepted. Checked on the tokenizer in memory: transformers
+    reloads a saved word-level tokenizer as the model type's own class."""
+    if refused:
+        with pytest.raises(ModelDirError, match="its vocabulary is missing"):
+            _check_tokenizer(Path("m"), {"vocab_size": 64}, tok)
+    else:
+        _check_tokenizer(Path("m"), {"vocab_size": 64}, tok)
 
 
 # ------------------------------------------------------------------------------------------------ model.path

@@ -1,41 +1,18 @@
 """models/tiny.py: the character tokenizer's alphabet edge cases, what `build_tiny_model` promises (architecture,
-seed, tied embeddings, eval mode, the global RNG left alone), `single_token_id`, and the model-directory checks shared
-by `check_model_dir` and `load_hf`."""
+seed, tied embeddings, eval mode, the global RNG left alone) and `single_token_id`. The model-directory checks of
+`check_model_dir` and `load_hf` are in test_preflight.py."""
 
 from __future__ import annotations
-
-import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
-from models.tiny import (
-    DEFAULT_ALPHABET,
-    ModelDirError,
-    build_char_tokenizer,
-    build_tiny_model,
-    check_model_dir,
-    load_hf,
-    save_hf,
-    single_token_id,
-)
+from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, single_token_id
 
 TINY = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16)
 PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n\t"  # every printable ASCII character, '~' (126) last
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    tok = build_char_tokenizer()
-    return save_hf(build_tiny_model(len(tok), **TINY), tok, tmp_path_factory.mktemp("tiny") / "good")
-
-
-def copy_of(model_dir: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(model_dir, tmp_path / "model"))
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
@@ -111,85 +88,9 @@ def test_build_tiny_model_is_seeded_and_leaves_the_global_rng_alone():
     for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True):
         assert torch.equal(x, y)
     assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
-    torch.manual_seed(123)
-    expected = torch.rand(4)
-    torch.manual_seed(123)
-    build_tiny_model(40, seed=7, **TINY)
-    assert torch.equal(torch.rand(4), expected)
-
-
-# ------------------------------------------------------------------------------------------------ model directories
-
-
-def test_check_model_dir_refuses_a_file(model_dir):
-    path = model_dir / "config.json"
-    with pytest.raises(ModelDirError, match="is not a directory") as e:
-        check_model_dir(path)
-    assert str(e.value) == f"{path} is not a directory: give a Hugging Face model directory"
-
-
-def test_a_tokenizer_in_the_slow_format_is_accepted(model_dir, tmp_path):
-    """vocab.json + merges.txt + tokenizer_config.json, no tokenizer.json (the format of many hub repos): it loads the
-    same ids, so the check passes; tokenizer.json is not required when tokenizer_config.json is there."""
-    d = copy_of(model_dir, tmp_path)
-    tok = build_char_tokenizer()
-    (d / "tokenizer.json").unlink()
-    (d / "vocab.json").write_text(json.dumps(tok.get_vocab()))
-    (d / "merges.txt").write_text("#version: 0.2\n")
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
-    check_model_dir(d)
-    _, loaded = load_hf(d)
-    text = "Q: 12+7=?\nA: 19\n"
-    assert loaded(text)["input_ids"] == tok(text)["input_ids"]
-
-
-def test_a_tokenizer_one_token_larger_than_the_embedding_is_refused(tmp_path):
-    """54 tokens against vocab_size 53: the single extra id would already index past the embedding table."""
-    tok = build_char_tokenizer()
-    d = save_hf(build_tiny_model(len(tok), **TINY), build_char_tokenizer(DEFAULT_ALPHABET + "B"), tmp_path / "m")
-    with pytest.raises(ModelDirError, match="tokenizer has 54 tokens but config.json vocab_size=53"):
-        check_model_dir(d)
-    with pytest.raises(ModelDirError, match="tokenizer has 54 tokens but config.json vocab_size=53"):
-        load_hf(d)
-
-
-def test_a_config_without_a_top_level_vocab_size_has_nothing_to_compare(model_dir, tmp_path):
-    """Some multimodal configs keep vocab_size in a sub-config: the check passes instead of raising a TypeError."""
-    d = copy_of(model_dir, tmp_path)
-    config = json.loads((d / "config.json").read_text())
-    config["text_config"] = {"vocab_size": config.pop("vocab_size")}
-    (d / "config.json").write_text(json.dumps(config))
-    check_model_dir(d)
-
-
-def test_load_hf_honours_dtype_and_attention_kernel(model_dir):
-    model, tok = load_hf(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.config._attn_implementation == "eager"
-    assert not model.training and len(tok) == 53
-    model, _ = load_hf(model_dir)
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert model.config._attn_implementation == "sdpa"
-
-
-def test_a_tokenizer_config_without_its_vocabulary_is_refused(model_dir, tmp_path):
-    """tokenizer_config.json alone loads a 5-token tokenizer that encodes every text as []: refused before a run,
-    by check_model_dir and by load_hf alike, naming the files that carry the vocabulary."""
-    d = copy_of(model_dir, tmp_path)
-    (d / "tokenizer.json").unlink()
-    for check in (check_model_dir, load_hf):
-        with pytest.raises(ModelDirError, match=r"encodes 'Q: 12\+7=\?\\nA: 19\\n' as \[\]: its vocabulary is "
-                                                r"missing \(tokenizer.json, or vocab.json"):
-            check(d)
-
-
-def test_a_tokenizer_json_without_its_config_is_refused_with_the_reason(model_dir, tmp_path):
-    """tokenizer.json alone: transformers adds its class's default special token (54 tokens for 53 embeddings); the
-    error says the config file is what is missing."""
-    d = copy_of(model_dir, tmp_path)
-    (d / "tokenizer_config.json").unlink()
-    with pytest.raises(ModelDirError, match=r"tokenizer has 54 tokens but config.json vocab_size=53: .* \(there is "
-                                            r"no tokenizer_config.json, so Qwen2Tokenizer added its default special "
-                                            r"tokens"):
-        check_model_dir(d)
+    with torch.random.fork_rng():  # the test leaves the global RNG as it found it, too
+        torch.manual_seed(123)
+        expected = torch.rand(4)
+        torch.manual_seed(123)
+        build_tiny_model(40, seed=7, **TINY)
+        assert torch.equal(torch.rand(4), expected)
