@@ -69,6 +69,12 @@ def work_dir(path: str | None) -> Iterator[str]:
         yield tmp
 
 
+def abba(first: str, second: str, repeats: int) -> list[str]:
+    """`repeats` runs of each of two configurations in ABBA order (first, second, second, first, first, ...): a drift
+    of the machine's speed over the runs then weighs on both alike, where back-to-back pairs would charge it to one."""
+    return [m for r in range(repeats) for m in ((first, second) if r % 2 == 0 else (second, first))]
+
+
 def emit(**figures) -> None:
     print(json.dumps(figures, sort_keys=False), flush=True)
 

@@ -77,10 +77,15 @@ def main() -> None:
         (run,) = client.search_runs([client.get_experiment_by_name(cfg["run"]["name"]).experiment_id])
         iteration_s = statistics.median(m.value for m in client.get_metric_history(run.info.run_id,
                                                                                     "time/iteration_s"))
-        left = args.iterations - KILLED_AT
-        setup = resume_s - left * iteration_s
-        emit(benchmark="resume", iteration_s=iteration_s, resume_s=resume_s, iterations_after_resume=left,
-             resume_setup_s=setup, resume_setup_over_iteration=setup / iteration_s)
+        emit(benchmark="resume", **resume_figures(resume_s, iteration_s, args.iterations - KILLED_AT))
+
+
+def resume_figures(resume_s: float, iteration_s: float, left: int) -> dict:
+    """What the resume cost beyond the `left` iterations it still had to run: its wall time less that many
+    uninterrupted iterations, and that setup time in iterations."""
+    setup = resume_s - left * iteration_s
+    return {"iteration_s": iteration_s, "resume_s": resume_s, "iterations_after_resume": left, "resume_setup_s": setup,
+            "resume_setup_over_iteration": setup / iteration_s}
 
 
 if __name__ == "__main__":

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import signal
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from storage import faults
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -67,3 +72,33 @@ def test_plain_and_iteration_points_both_armed(monkeypatch, sent):
     faults.point("mid-train", iteration=1)
     faults.point("mid-train", iteration=1)  # plain count 3
     assert [sig for _, sig in sent] == [signal.SIGKILL, signal.SIGTERM]
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("mid-trian@2", r"'mid-trian' is not a failpoint: one of shard-write, file-write, after-plan, mid-train"),
+    ("mid-train[x]@2", r"'mid-train\[x\]' is not a failpoint"),
+    ("after-plan@0", r"pass '0' of 'after-plan' is not a positive integer"),
+    ("after-plan@two:TERM", r"pass 'two' of 'after-plan' is not a positive integer"),
+    ("after-plan@-1", r"pass '-1' of 'after-plan' is not a positive integer"),
+])
+def test_bad_spec_is_refused_not_silently_unarmed(spec, message, monkeypatch, sent):
+    """A misspelt point would never fire: the resilience test would then see a run that was not killed."""
+    monkeypatch.setenv("LOCKSTEP_FAULT", f"shard-write@9, {spec}")
+    with pytest.raises(ValueError, match=rf"LOCKSTEP_FAULT='shard-write@9, {re.escape(spec)}': {message}"):
+        faults.point("shard-write")  # any point passed reads the whole spec
+    assert sent == []
+
+
+def test_points_are_the_ones_the_code_passes():
+    """POINTS, which a spec is checked against, names every failpoint the project's code passes and no other."""
+    passed = set()
+    for path in REPO.glob("*/*.py"):
+        if path.parts[-2] in ("tests", ".venv"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "faults.point":
+                arg = node.args[0]
+                # a literal, or a choice between literals (lake.py: shard-write or file-write)
+                passed |= {c.value for c in ast.walk(arg) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                           and not c.value.startswith(".")}
+    assert passed == set(faults.POINTS)
