@@ -88,8 +88,7 @@ def main() -> None:
                 accuracy[prox] = accuracy_figures(runs)
                 emit(benchmark="a3po", prox_logp=prox, max_staleness=S, iterations=args.accuracy_iterations,
                      seeds=args.seeds, **accuracy[prox])
-            gap = abs(accuracy["loglinear"]["accuracy_mean"] - accuracy["recompute"]["accuracy_mean"])
-            emit(benchmark="a3po", max_staleness=S, accuracy_gap=gap, targets={"accuracy_gap<=0.02": gap <= 0.02})
+            emit(benchmark="a3po", max_staleness=S, **accuracy_gap(accuracy["loglinear"], accuracy["recompute"]))
         for S in args.metrics_staleness:
             overrides = {"pipeline.mode": "async", "pipeline.max_staleness": S, "algorithm.prox_logp": "metrics"}
             histories = [run(tmp, f"a3po-metrics-s{S}-{seed}-{stamp}", {**overrides, "run.seed": seed},
@@ -108,6 +107,13 @@ def accuracy_figures(runs: list[dict]) -> dict:
             "accuracies": [r["eval_accuracy_final"] for r in runs],
             "staleness_mean": statistics.mean(statistics.mean(x["staleness/mean"] for x in r["history"])
                                               for r in runs)}
+
+
+def accuracy_gap(loglinear: dict, recompute: dict) -> dict:
+    """The gap between the two methods' seed-mean accuracies (`accuracy_figures`), whichever is higher, and its
+    target."""
+    gap = abs(loglinear["accuracy_mean"] - recompute["accuracy_mean"])
+    return {"accuracy_gap": gap, "targets": {"accuracy_gap<=0.02": gap <= 0.02}}
 
 
 def approximation_errors(histories: list[list[dict]]) -> dict:
@@ -219,8 +225,8 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
         previous = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, v - 1))
         took: dict[str, list[float]] = {prox: [] for prox in METHODS}
         took_prox: dict[str, list[float]] = {prox: [] for prox in METHODS}
-        first, second = METHODS if n % 2 == 0 else reversed(METHODS)
-        for prox in (first, second, second, first):  # ABBA: drift within the batch's few seconds cancels too
+        # ABBA, the first method alternating by batch: drift within the batch's few seconds cancels too
+        for prox in abba(*(METHODS if n % 2 == 0 else reversed(METHODS)), 2):
             cfg, trainer = trainers[prox]
             # restore_trainer would also load optimizer moments, which old versions no longer keep; timing needs none
             checkpoints.load_into(trainer.model, weights)

@@ -172,17 +172,28 @@ def point_figures(P: int, R: int, G: int, unshared: list[float], shared: list[fl
     of the fastest steps."""
     t_u, t_s = statistics.median(unshared), statistics.median(shared)
     pairs = [u / s for u, s in zip(unshared, shared, strict=True)]
-    return {"ideal_ratio": G * (P + R) / (P + G * R), "speedup": t_u / t_s, "speedup_pair_range": [min(pairs), max(pairs)],
-            "speedup_best": min(unshared) / min(shared), "step_s_unshared": t_u, "step_s_shared": t_s}
+    return {
+        "ideal_ratio": G * (P + R) / (P + G * R),
+        "speedup": t_u / t_s,
+        "speedup_pair_range": [min(pairs), max(pairs)],
+        "speedup_best": min(unshared) / min(shared),
+        "step_s_unshared": t_u,
+        "step_s_shared": t_s,
+    }
 
 
 def targets(results: dict[tuple[int, int, int], tuple[float, float]]) -> dict:
     """The last line from every point's (ideal ratio, speedup): at least 0.6 of the ideal at P=1024, R=16, G=16, and
     no slowdown anywhere."""
     ideal, speedup = results[(1024, 16, 16)]
-    return {"targets": {"speedup >= 0.6*ideal at P=1024,R=16,G=16": speedup >= 0.6 * ideal,
-                        "speedup >= 1.0 everywhere": all(sp >= 1.0 for _, sp in results.values())},
-            "speedup_at_1024_16_16": round(speedup, 3), "ideal_at_1024_16_16": round(ideal, 3)}
+    return {
+        "targets": {
+            "speedup >= 0.6*ideal at P=1024,R=16,G=16": speedup >= 0.6 * ideal,
+            "speedup >= 1.0 everywhere": all(sp >= 1.0 for _, sp in results.values()),
+        },
+        "speedup_at_1024_16_16": round(speedup, 3),
+        "ideal_at_1024_16_16": round(ideal, 3),
+    }
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ Points: `shard-write` (a shard's bytes written under _tmp/, not yet published), 
 lake file written through a temporary one), `after-plan` (rollouts in
 flight), `mid-train` (after the first micro-step), `mid-checkpoint` (checkpoint files written, not yet moved
 into place), `before-promote` (checkpoint complete, PROMOTED not written), `after-promote` (PROMOTED written,
-ledger not yet updated). A spec naming another point, or a count that is not a positive integer, is refused (a
-ValueError at the first point passed) rather than never firing.
+ledger not yet updated). Only `mid-train` is passed with its iteration. A spec that could never fire (another point's
+name, `[k]` on a point passed without its iteration, a pass that is not a positive integer, an empty pass or
+signal, a point armed twice) is refused: a ValueError at the first point passed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ _passes: Counter = Counter()
 
 _SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
 POINTS = ("shard-write", "file-write", "after-plan", "mid-train", "mid-checkpoint", "before-promote", "after-promote")
-_KEY = re.compile(r"(?P<point>[a-z-]+)(\[(?P<iteration>\d+)\])?")
+ITERATION_POINTS = ("mid-train",)  # the points passed with their iteration: only these answer to name[k]
+_KEY = re.compile(r"(?P<point>[a-z-]+)(\[(?P<iteration>[0-9]+)\])?")
 
 
 def _armed() -> dict[str, tuple[int, int]]:
@@ -32,17 +34,25 @@ def _armed() -> dict[str, tuple[int, int]]:
     spec = os.environ.get("LOCKSTEP_FAULT", "")
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, rest = item.partition("@")
-        n, _, sig = rest.partition(":")
+        name, at, rest = item.partition("@")
+        n, colon, sig = rest.partition(":")
+        bad = f"LOCKSTEP_FAULT={spec!r}:"
         key = _KEY.fullmatch(name)
         if key is None or key["point"] not in POINTS:
-            raise ValueError(f"LOCKSTEP_FAULT={spec!r}: {name!r} is not a failpoint: one of {', '.join(POINTS)}, "
-                             "optionally with [iteration]")
-        if not (n or "1").isdigit() or int(n or 1) < 1:
-            raise ValueError(f"LOCKSTEP_FAULT={spec!r}: pass {n!r} of {name!r} is not a positive integer")
-        if (sig or "KILL") not in _SIGNALS:
-            raise ValueError(f"LOCKSTEP_FAULT={spec!r}: signal {sig!r} of {name!r} is not one of {sorted(_SIGNALS)}")
-        out[name] = (int(n or 1), _SIGNALS[sig or "KILL"])
+            raise ValueError(f"{bad} {name!r} is not a failpoint: one of {', '.join(POINTS)}, "
+                             f"or {', '.join(ITERATION_POINTS)} with [iteration]")
+        if key["iteration"] is not None:
+            if key["point"] not in ITERATION_POINTS:
+                raise ValueError(f"{bad} {key['point']!r} is not passed with its iteration: [iteration] only on "
+                                 f"{', '.join(ITERATION_POINTS)}")
+            name = f"{key['point']}[{int(key['iteration'])}]"  # [01] is the key point() looks up as [1]
+        if at and not (n.isascii() and n.isdecimal() and int(n) >= 1):
+            raise ValueError(f"{bad} pass {n!r} of {name!r} is not a positive integer")
+        if colon and sig not in _SIGNALS:
+            raise ValueError(f"{bad} signal {sig!r} of {name!r} is not one of {sorted(_SIGNALS)}")
+        if name in out:
+            raise ValueError(f"{bad} {name!r} is armed twice")
+        out[name] = (int(n) if at else 1, _SIGNALS[sig] if colon else signal.SIGKILL)
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.a3po import accuracy_figures, approximation_errors, speedup_figures
+from benchmarks.a3po import accuracy_figures, accuracy_gap, approximation_errors, speedup_figures
 from benchmarks.common import abba
 from benchmarks.pipeline import comparison, summarise
 from benchmarks.resume import resume_figures
@@ -55,6 +55,8 @@ def test_comparison_targets_at_and_past_their_edges():
     assert c["periodic_over_sync"] == 0.7 and c["targets"]["periodic_over_sync<=0.7"]
     assert c["periodic_over_bound"] == pytest.approx(7 / 6) and not c["targets"]["periodic_over_bound<=1.15"]
     assert not c["targets"]["overhead_fraction<=0.05"]
+    at_bound = comparison({"iteration_s": 20.0}, {**per, "iteration_s": 11.5, "rollout_busy_s": 9.0})  # bound 10
+    assert at_bound["periodic_over_bound"] == 1.15 and at_bound["targets"]["periodic_over_bound<=1.15"]
 
 
 def _metrics_iteration(reference: float, grad_abs: float, grad_abs_err: float) -> dict:
@@ -95,6 +97,14 @@ def test_accuracy_figures_average_each_runs_staleness_then_the_runs():
                                "staleness_mean": 3.0})  # (2 + 4) / 2; the iterations pooled would give 8/3
 
 
+@pytest.mark.parametrize(("loglinear", "recompute", "met"), [(0.50, 0.53, False), (0.53, 0.50, False),
+                                                            (0.50, 0.515, True), (0.52, 0.51, True)])
+def test_accuracy_gap_either_way(loglinear, recompute, met):
+    gap = accuracy_gap({"accuracy_mean": loglinear}, {"accuracy_mean": recompute})
+    assert gap["accuracy_gap"] == pytest.approx(abs(loglinear - recompute))  # loglinear below recompute: positive
+    assert gap["targets"] == {"accuracy_gap<=0.02": met}
+
+
 def test_speedup_figures_median_and_quartiles_of_per_batch_ratios():
     times = {"loglinear": [1.0, 3.0, 2.0, 9.0], "recompute": [4.0, 1.0, 2.0]}
     prox = {"loglinear": [0.001, 0.003, 0.002], "recompute": [0.5, 0.1, 0.4, 0.2]}
@@ -121,6 +131,8 @@ def test_shared_prompt_targets():
     met = targets({(1024, 16, 16): (ideal, 7.9), (128, 16, 4): (3.0, 1.0)})
     assert met == {"targets": {"speedup >= 0.6*ideal at P=1024,R=16,G=16": True, "speedup >= 1.0 everywhere": True},
                    "speedup_at_1024_16_16": 7.9, "ideal_at_1024_16_16": 13.0}
+    edge = targets({(1024, 16, 16): (ideal, 7.8), (128, 16, 4): (3.0, 1.0)})["targets"]  # 0.6 * 13 is 7.8 exactly
+    assert edge == {"speedup >= 0.6*ideal at P=1024,R=16,G=16": True, "speedup >= 1.0 everywhere": True}
     missed = targets({(1024, 16, 16): (ideal, 7.7), (128, 16, 4): (3.0, 0.99)})["targets"]
     assert missed == {"speedup >= 0.6*ideal at P=1024,R=16,G=16": False, "speedup >= 1.0 everywhere": False}
 

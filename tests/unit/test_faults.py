@@ -45,7 +45,8 @@ def test_unarmed_point_does_nothing(monkeypatch, sent):
 
 def test_unknown_signal_names_the_spec(monkeypatch, sent):
     monkeypatch.setenv("LOCKSTEP_FAULT", "mid-train@2:HUP")
-    with pytest.raises(ValueError, match=r"LOCKSTEP_FAULT='mid-train@2:HUP': signal 'HUP' of 'mid-train' is not one of"):
+    message = r"LOCKSTEP_FAULT='mid-train@2:HUP': signal 'HUP' of 'mid-train' is not one of \['KILL', 'TERM'\]"
+    with pytest.raises(ValueError, match=message):
         faults.point("mid-train")
     assert sent == []
 
@@ -77,9 +78,16 @@ def test_plain_and_iteration_points_both_armed(monkeypatch, sent):
 @pytest.mark.parametrize(("spec", "message"), [
     ("mid-trian@2", r"'mid-trian' is not a failpoint: one of shard-write, file-write, after-plan, mid-train"),
     ("mid-train[x]@2", r"'mid-train\[x\]' is not a failpoint"),
+    ("mid-train[\u0661]@2", r"'mid-train\[\u0661\]' is not a failpoint"),  # an Arabic-Indic 1: never looked up
+    ("shard-write[1]@1", r"'shard-write' is not passed with its iteration: \[iteration\] only on mid-train"),
     ("after-plan@0", r"pass '0' of 'after-plan' is not a positive integer"),
     ("after-plan@two:TERM", r"pass 'two' of 'after-plan' is not a positive integer"),
     ("after-plan@-1", r"pass '-1' of 'after-plan' is not a positive integer"),
+    ("after-plan@\u00b2", r"pass '\u00b2' of 'after-plan' is not a positive integer"),  # superscript 2
+    ("after-plan@", r"pass '' of 'after-plan' is not a positive integer"),
+    ("mid-train[1]@:TERM", r"pass '' of 'mid-train\[1\]' is not a positive integer"),
+    ("after-plan@1:", r"signal '' of 'after-plan' is not one of \['KILL', 'TERM'\]"),
+    ("mid-train[1]@1,mid-train[01]@2", r"'mid-train\[1\]' is armed twice"),
 ])
 def test_bad_spec_is_refused_not_silently_unarmed(spec, message, monkeypatch, sent):
     """A misspelt point would never fire: the resilience test would then see a run that was not killed."""
@@ -89,16 +97,28 @@ def test_bad_spec_is_refused_not_silently_unarmed(spec, message, monkeypatch, se
     assert sent == []
 
 
+def test_leading_zero_iteration_fires_as_its_number(monkeypatch, sent):
+    monkeypatch.setenv("LOCKSTEP_FAULT", "mid-train[01]@1:TERM")
+    faults.point("mid-train", iteration=0)
+    faults.point("mid-train", iteration=1)
+    assert [sig for _, sig in sent] == [signal.SIGTERM]
+
+
 def test_points_are_the_ones_the_code_passes():
-    """POINTS, which a spec is checked against, names every failpoint the project's code passes and no other."""
-    passed = set()
-    for path in REPO.glob("*/*.py"):
-        if path.parts[-2] in ("tests", ".venv"):
+    """POINTS, which a spec is checked against, names every failpoint the project's code passes and no other, and
+    ITERATION_POINTS those it passes with an iteration."""
+    passed, with_iteration = set(), set()
+    for path in REPO.rglob("*.py"):
+        if {"tests", ".venv"} & set(path.relative_to(REPO).parts):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "faults.point":
-                arg = node.args[0]
-                # a literal, or a choice between literals (lake.py: shard-write or file-write)
-                passed |= {c.value for c in ast.walk(arg) if isinstance(c, ast.Constant) and isinstance(c.value, str)
-                           and not c.value.startswith(".")}
+                # a literal, or a choice between literals (lake.py: "shard-write" if the path ends with ".arrow"
+                # else "file-write": the suffix is not a point)
+                names = {c.value for c in ast.walk(node.args[0]) if isinstance(c, ast.Constant)
+                         and isinstance(c.value, str) and not c.value.startswith(".")}
+                passed |= names
+                if any(k.arg == "iteration" for k in node.keywords) or len(node.args) > 1:
+                    with_iteration |= names
     assert passed == set(faults.POINTS)
+    assert with_iteration == set(faults.ITERATION_POINTS)
