@@ -20,7 +20,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test lint bench clean services services-stop
+.PHONY: install demo test lint clean services services-stop
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

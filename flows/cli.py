@@ -77,7 +77,7 @@ class _Progress:
 
     def _line(self, text: str) -> None:
         if not self.live:
-            self.console.print(text, highlight=False)
+            self.console.print(text, markup=False, highlight=False)
 
     def __call__(self, e: dict) -> None:
         kind = e["event"]
@@ -95,7 +95,8 @@ class _Progress:
             self.t_start = time.perf_counter()
             self.first = e["start"]
             self.iters = self.progress.add_task("RL", total=e["iterations"], completed=e["start"], info="")
-            self.console.print(f"run {e['run_id']}: initial held-out accuracy {e['accuracy']:.3f}", highlight=False)
+            self.console.print(f"run {e['run_id']}: initial held-out accuracy {e['accuracy']:.3f}", markup=False,
+                               highlight=False)
         elif kind == "iteration":
             self.accuracy = e.get("eval/accuracy", self.accuracy)
             k = e["iteration"] + 1
@@ -113,18 +114,26 @@ class _Progress:
         self.progress.stop()
 
 
+def _error(console, message: str) -> None:
+    """One red `error:` line with `message` as it is: a `[cuda]` or a path's `[1]` in it is text, not rich markup
+    (which dropped it: the vLLM install command lost its extras)."""
+    from rich.markup import escape
+
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+
+
 def _run_flow(console, config_path: str, overrides: list[str], resume: bool, source: str | None = None) -> int:
     from configs.schema import ConfigError, load_config
     from tasks.preflight import check_backend, check_inputs, check_prefect_api
 
     try:
         cfg = load_config(config_path, overrides, source)  # fail fast, before Prefect or any work starts
+        check_backend(cfg)  # first, as in open_session: a missing extra is the first thing to install
         if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
             check_inputs(cfg)  # the model and dataset it names exist and read
-        check_backend(cfg)
         check_prefect_api()  # the tracking store is checked by the flow, before it writes the run
     except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        _error(console, str(e))
         return 2
     from prefect.exceptions import TerminationSignal
 
@@ -144,7 +153,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     except (*input_errors, FileNotFoundError, CheckpointError) as e:  # input errors the flow finds only as it reads
         # them (a dataset's rows, the run to resume); the last two can also come from a bug or a damaged lake, so
         # Prefect's log keeps their traceback
-        console.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        _error(console, str(e))
         return 2
     except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C, or SIGTERM (see _interrupt_on_sigterm): the flow has
         # unwound and cleaned up
@@ -154,14 +163,15 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
             console.print("interrupted before the run started", highlight=False)
         else:
             console.print(f"interrupted: run {run_id} keeps its promoted versions; continue it with "
-                          f"`lockstep resume {run_id} --lake {cfg.lake.uri}`", highlight=False)
+                          f"`lockstep resume {run_id} --lake {cfg.lake.uri}`", markup=False, highlight=False)
         return 130
     finally:
         progress.stop()
     console.print(
         f"done in {time.perf_counter() - t0:.0f} s: held-out accuracy {summary['eval_accuracy_initial']:.3f} -> "
         f"{summary['eval_accuracy_final']:.3f}, {summary['samples_per_s']:.1f} samples/s, "
-        f"version {summary['promoted_version']}"
+        f"version {summary['promoted_version']}",
+        markup=False,
     )
     print(f"{summary['run_id']} {summary['summary_path']}")
     return 0
@@ -188,7 +198,7 @@ def cmd_resume(args) -> int:
         with lake.fs.open(path, "rb") as f:
             frozen = f.read()
     except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/red] cannot resume {args.run_id!r} from lake {args.lake}: {e}", highlight=False)
+        _error(console, f"cannot resume {args.run_id!r} from lake {args.lake}: {e}")
         return 2
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
         f.write(frozen)  # JSON is YAML: the frozen config loads through the same validation
@@ -262,6 +272,7 @@ def cmd_audit(args) -> int:
 
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from storage import catalog
     from storage.lake import Lake
@@ -312,7 +323,8 @@ def cmd_audit(args) -> int:
         for c in columns:
             table.add_column(c)
         for r in rows:
-            table.add_row(*(f"{v:.3f}" if isinstance(v, float) else repr(v) if c == "response_text" else str(v)
+            # Text: a response's "[b]" is shown as written, not read as rich markup
+            table.add_row(*(Text(f"{v:.3f}" if isinstance(v, float) else repr(v) if c == "response_text" else str(v))
                             for c, v in r.items()))
         Console().print(table)
     return 0

@@ -110,6 +110,23 @@ def test_parentheses_in_strings_and_names_are_not_counted(where):
     assert cli._unbalanced(where) is None
 
 
+def test_audit_table_shows_brackets_as_written(lake_with_run, capsys, monkeypatch):
+    """A response (or a dataset's prompt) with `[b]` in it is text in the table, not rich markup it would vanish into."""
+    import pyarrow as pa
+
+    from storage import catalog
+
+    (lake_with_run / "runs" / "r1" / "catalog").mkdir()
+    row = {"sample_id": "s[0]", "policy_version": 1, "iteration": 0, "prompt_id": "p[1]", "sample_index": 0,
+           "reward": 0.5, "advantage": -0.25, "finish_reason": "stop", "response_text": "[b]19[/b]", "worker": 0}
+    monkeypatch.setattr(catalog, "query", lambda uri, table, where, limit, columns: pa.Table.from_pylist(
+        [{c: row[c] for c in columns}]))
+    monkeypatch.setenv("COLUMNS", "300")  # one line per row: the cells are not wrapped
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run)]) == 0
+    out = capsys.readouterr().out
+    assert "'[b]19[/b]'" in out and "s[0]" in out and "p[1]" in out and "-0.250" in out
+
+
 # ------------------------------------------------------------------------------------------------ runs
 
 
@@ -183,6 +200,21 @@ def test_a_lake_url_without_a_filesystem_is_one_error_line(argv, url, capsys, tm
 def test_train_with_a_lake_url_without_a_filesystem_exits_2_before_any_work(capsys):
     assert cli.main(["train", ARITH, "-o", "lake.uri=nosuchfs://lake"]) == 2
     assert squash("error: lake.uri: lake 'nosuchfs://lake': Protocol not known: nosuchfs;") in cli_stderr(capsys)
+
+
+def test_gpu_config_without_vllm_names_the_install_command_first(capsys, tmp_path):
+    """README's GPU command on a machine without vLLM: the install command, before the model and dataset checks
+    (offline, the hub model and GSM8K would fail them) and before any work."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    gpu = str(Path(ARITH).with_name("qwen2.5-1.5b-gsm8k.yaml"))
+    assert cli.main(["train", gpu, "-o", f"lake.uri={tmp_path / 'lake'}"]) == 2
+    # the extras in brackets are text, not rich markup (which swallowed them)
+    assert squash("error: rollout.engine is 'vllm' but vLLM is not installed: pip install 'lockstep-rl[cuda]' (CUDA) "
+                  "or 'lockstep-rl[npu]' (Ascend, with vllm-ascend); or set rollout.engine=builtin") in cli_stderr(capsys)
+    assert not (tmp_path / "lake").exists()
 
 
 # ------------------------------------------------------------------------------------------------ report
