@@ -77,7 +77,7 @@ class _Progress:
 
     def _line(self, text: str) -> None:
         if not self.live:
-            self.console.print(text, markup=False, highlight=False)
+            self.console.print(text)
 
     def __call__(self, e: dict) -> None:
         kind = e["event"]
@@ -95,8 +95,7 @@ class _Progress:
             self.t_start = time.perf_counter()
             self.first = e["start"]
             self.iters = self.progress.add_task("RL", total=e["iterations"], completed=e["start"], info="")
-            self.console.print(f"run {e['run_id']}: initial held-out accuracy {e['accuracy']:.3f}", markup=False,
-                               highlight=False)
+            self.console.print(f"run {e['run_id']}: initial held-out accuracy {e['accuracy']:.3f}")
         elif kind == "iteration":
             self.accuracy = e.get("eval/accuracy", self.accuracy)
             k = e["iteration"] + 1
@@ -114,12 +113,19 @@ class _Progress:
         self.progress.stop()
 
 
-def _error(console, message: str) -> None:
-    """One red `error:` line with `message` as it is: a `[cuda]` or a path's `[1]` in it is text, not rich markup
-    (which dropped it: the vLLM install command lost its extras)."""
-    from rich.markup import escape
+def _console(**kwargs):
+    """A rich console that prints text as it is: no markup (a `[cuda]` in a message was dropped as a tag: the vLLM
+    install command lost its extras), no emoji codes (`:x:` in a value became an emoji), no highlighting."""
+    from rich.console import Console
 
-    console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+    return Console(markup=False, emoji=False, highlight=False, **kwargs)
+
+
+def _error(console, message: str) -> None:
+    """One `error:` line, the word in red, `message` as it is."""
+    from rich.text import Text
+
+    console.print(Text.assemble(("error:", "red"), " ", message))
 
 
 def _run_flow(console, config_path: str, overrides: list[str], resume: bool, source: str | None = None) -> int:
@@ -160,38 +166,33 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
         progress.stop()
         run_id = progress.run_id or cfg.run.run_id
         if run_id is None:  # stopped before the run was created: nothing to resume
-            console.print("interrupted before the run started", highlight=False)
+            console.print("interrupted before the run started")
         else:
             console.print(f"interrupted: run {run_id} keeps its promoted versions; continue it with "
-                          f"`lockstep resume {run_id} --lake {cfg.lake.uri}`", markup=False, highlight=False)
+                          f"`lockstep resume {run_id} --lake {cfg.lake.uri}`")
         return 130
     finally:
         progress.stop()
     console.print(
         f"done in {time.perf_counter() - t0:.0f} s: held-out accuracy {summary['eval_accuracy_initial']:.3f} -> "
         f"{summary['eval_accuracy_final']:.3f}, {summary['samples_per_s']:.1f} samples/s, "
-        f"version {summary['promoted_version']}",
-        markup=False,
+        f"version {summary['promoted_version']}"
     )
     print(f"{summary['run_id']} {summary['summary_path']}")
     return 0
 
 
 def cmd_train(args) -> int:
-    from rich.console import Console
-
-    return _run_flow(Console(stderr=True, soft_wrap=True), args.config, args.override, resume=False)
+    return _run_flow(_console(stderr=True, soft_wrap=True), args.config, args.override, resume=False)
 
 
 def cmd_resume(args) -> int:
     """Continue a failed or killed run from its frozen config and promoted checkpoint."""
     import tempfile
 
-    from rich.console import Console
-
     from storage.lake import Lake
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = _console(stderr=True, soft_wrap=True)
     lake = Lake(args.lake)
     try:
         path = _run_config_path(lake, args.run_id)
@@ -270,7 +271,6 @@ def cmd_audit(args) -> int:
     """Query a run's rollout catalog: by version, with a SQL filter, as a table, JSON or CSV."""
     import json
 
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
@@ -326,7 +326,7 @@ def cmd_audit(args) -> int:
             # Text: a response's "[b]" is shown as written, not read as rich markup
             table.add_row(*(Text(f"{v:.3f}" if isinstance(v, float) else repr(v) if c == "response_text" else str(v))
                             for c, v in r.items()))
-        Console().print(table)
+        _console().print(table)
     return 0
 
 
@@ -463,8 +463,8 @@ def cmd_serve(args) -> int:
 
     try:  # the deployment's default parameters: a bad config would fail every triggered run
         cfg = load_config(args.config, args.override)
+        check_backend(cfg)  # first, as in train and open_session: a missing extra is the first thing to install
         check_inputs(cfg)
-        check_backend(cfg)
         if not PREFECT_API_URL.value():
             print("error: lockstep serve needs a Prefect server: run `make services`, then "
                   "export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)

@@ -111,20 +111,20 @@ def test_parentheses_in_strings_and_names_are_not_counted(where):
 
 
 def test_audit_table_shows_brackets_as_written(lake_with_run, capsys, monkeypatch):
-    """A response (or a dataset's prompt) with `[b]` in it is text in the table, not rich markup it would vanish into."""
+    """A response or an id with `[b]` in it is text in the table, not rich markup it would vanish into."""
     import pyarrow as pa
 
     from storage import catalog
 
     (lake_with_run / "runs" / "r1" / "catalog").mkdir()
-    row = {"sample_id": "s[0]", "policy_version": 1, "iteration": 0, "prompt_id": "p[1]", "sample_index": 0,
+    row = {"sample_id": "s[i]", "policy_version": 1, "iteration": 0, "prompt_id": "p[b]:x:", "sample_index": 0,
            "reward": 0.5, "advantage": -0.25, "finish_reason": "stop", "response_text": "[b]19[/b]", "worker": 0}
     monkeypatch.setattr(catalog, "query", lambda uri, table, where, limit, columns: pa.Table.from_pylist(
         [{c: row[c] for c in columns}]))
     monkeypatch.setenv("COLUMNS", "300")  # one line per row: the cells are not wrapped
     assert cli.main(["audit", "r1", "--lake", str(lake_with_run)]) == 0
     out = capsys.readouterr().out
-    assert "'[b]19[/b]'" in out and "s[0]" in out and "p[1]" in out and "-0.250" in out
+    assert "'[b]19[/b]'" in out and "s[i]" in out and "p[b]:x:" in out and "-0.250" in out  # :x: not an emoji
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -215,6 +215,12 @@ def test_gpu_config_without_vllm_names_the_install_command_first(capsys, tmp_pat
     assert squash("error: rollout.engine is 'vllm' but vLLM is not installed: pip install 'lockstep-rl[cuda]' (CUDA) "
                   "or 'lockstep-rl[npu]' (Ascend, with vllm-ascend); or set rollout.engine=builtin") in cli_stderr(capsys)
     assert not (tmp_path / "lake").exists()
+
+
+def test_error_quotes_a_bad_value_as_written(capsys):
+    """The value quoted in an error is the one given: `:x:` is not an emoji code, `[b]` not markup."""
+    assert cli.main(["train", ARITH, "-o", "run.name=exp:x:[b]1"]) == 2
+    assert squash("(got 'exp:x:[b]1')") in cli_stderr(capsys)
 
 
 # ------------------------------------------------------------------------------------------------ report
