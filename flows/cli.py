@@ -147,12 +147,13 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     from models.tiny import ModelDirError
     from storage.checkpoints import CheckpointError
     from storage.datasets import DatasetError
+    from storage.lease import RunInUseError
     from tasks.session import RunExistsError
 
     progress = _Progress(console)
     train_mod.progress_hook = progress
     t0 = time.perf_counter()
-    input_errors = (RunExistsError, ConfigError, DatasetError, ModelDirError)
+    input_errors = (RunExistsError, RunInUseError, ConfigError, DatasetError, ModelDirError)
     try:
         with _reported_by_cli(*input_errors):
             summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
@@ -220,19 +221,26 @@ def _run_config_path(lake, run_id: str) -> str:
 
 def cmd_replay(args) -> int:
     """Retrain from stored shards only and print, per version, the max abs parameter difference."""
+    from storage.checkpoints import CheckpointError
     from storage.lake import Lake, validate_run_id
+    from storage.lease import RunInUseError
     from tasks.preflight import check_prefect_api
 
     try:
-        _run_config_path(Lake(args.lake), args.run_id)  # checked before the flow starts Prefect
+        lake = Lake(args.lake)
+        _run_config_path(lake, args.run_id)  # checked before the flow starts Prefect
         if args.to is not None:
             validate_run_id(args.to)
-        check_prefect_api()
-        from flows.replay import replay_flow
+        from flows.replay import check_replayable, replay_flow
 
-        with _reported_by_cli(FileExistsError):  # --to names an existing run; other errors keep their traceback
+        check_replayable(lake, args.run_id)
+        check_prefect_api()
+
+        # --to names an existing run, or one another process writes; other errors keep their traceback
+        with _reported_by_cli(FileExistsError, RunInUseError):
             rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:  # a ConfigError is a ValueError
+    except (ValueError, FileNotFoundError, FileExistsError, RunInUseError, CheckpointError) as e:  # a ConfigError
+        # is a ValueError; CheckpointError: a damaged PROMOTED
         print(f"error: cannot replay {args.run_id!r}: {e}", file=sys.stderr)
         return 2
     for r in rows:
@@ -332,7 +340,7 @@ def cmd_audit(args) -> int:
 
 def cmd_runs(args) -> int:
     """Runs in a lake with their state and last promoted version; a damaged run is listed with what is wrong."""
-    from storage import checkpoints, ledger
+    from storage import checkpoints, lease, ledger
     from storage.lake import Lake, validate_run_id
 
     lake = Lake(args.lake)
@@ -363,7 +371,11 @@ def cmd_runs(args) -> int:
         done = lake.fs.exists(f"{path}/summary.json")
         last = records[-1]["state"] if records else "created"
         state = "finished" if done else ("failed" if last == "failed" else f"stopped ({last})")
-        print(f"{run_id:40s} {state:24s} version {version}")
+        held_by = lease.holder(lake, run_id)
+        if held_by is not None:  # a ledger between two records reads "stopped" while its run goes on
+            state = "running"
+        line = f"{run_id:40s} {state:24s} version {version}"
+        print(line if held_by is None else f"{line}  ({lease.describe(held_by)})")
     return 0
 
 

@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 
 from configs.schema import Config
 from models.trainer import RolloutGroup
-from storage import checkpoints, ledger
+from storage import checkpoints, lease, ledger
 from storage.lake import Lake, atomic_write_bytes, read_json
 from storage.shards import read_shard
 from tasks.iteration import BatchSteps, groups_of
@@ -41,14 +41,47 @@ def _replay_iteration(trainer, cfg: Config, lake: Lake, record: dict) -> dict:
 @flow(name="lockstep-replay")
 def replay_flow(run_id: str, lake_uri: str = "./lake", to_run_id: str | None = None) -> list[dict]:
     """Per replayed version: {"version", "max_abs_diff"} against the original checkpoint."""
+    lake = Lake(lake_uri)
+    check_replayable(lake, run_id)
+    if to_run_id is None:
+        return _replay(run_id, lake)
+    if to_run_id == run_id or _target_exists(lake, to_run_id):
+        raise _exists(lake, to_run_id)
+    with lease.acquire(lake, to_run_id, "replay"):
+        if _target_exists(lake, to_run_id):  # created while this one started
+            raise _exists(lake, to_run_id)
+        return _replay(run_id, lake, to_run_id)
+
+
+def check_replayable(lake: Lake, run_id: str) -> None:
+    """FileNotFoundError if run `run_id` has no promoted version yet (v0 comes out of its bootstrap: a replay started
+    before it was a traceback from the model loader), CheckpointError if its v0 is incomplete."""
+    if checkpoints.promoted_version(lake, run_id) is None:
+        raise FileNotFoundError(f"run {run_id} has no promoted version in {lake.uri} yet (v0 is promoted once its "
+                                "bootstrap ends): replay it after that")
+    v0 = lake.checkpoint_dir(run_id, 0)
+    if not lake.fs.exists(f"{v0}/MANIFEST.json"):  # removed or damaged by hand: the loader's traceback otherwise
+        raise checkpoints.CheckpointError(f"run {run_id}'s checkpoint v0 ({v0}) has no MANIFEST.json: replay starts "
+                                          "from v0 and cannot without it")
+
+
+def _target_exists(lake: Lake, to_run_id: str) -> bool:
+    """Whether run `to_run_id` has anything but the `LOCK` of a command that gave up before writing its config."""
+    run_dir = lake.run_dir(to_run_id)
+    return lake.fs.exists(run_dir) and any(p.rstrip("/").rsplit("/", 1)[-1] != "LOCK"
+                                           for p in lake.fs.ls(run_dir, detail=False))
+
+
+def _exists(lake: Lake, to_run_id: str) -> FileExistsError:
+    return FileExistsError(f"replay target run {to_run_id} already exists in {lake.uri}: replay writes a new run "
+                           "and never overwrites one; choose another --to")
+
+
+def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]:
     import torch
 
     from models.tiny import load_hf
 
-    lake = Lake(lake_uri)
-    if to_run_id is not None and (to_run_id == run_id or lake.fs.exists(lake.run_dir(to_run_id))):
-        raise FileExistsError(f"replay target run {to_run_id} already exists in {lake_uri}: replay writes a new run "
-                              "and never overwrites one; choose another --to")
     cfg = Config.model_validate(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
     torch.set_num_threads(cfg.resources.train_threads)
     v0 = lake.checkpoint_dir(run_id, 0)

@@ -27,7 +27,7 @@ from models.bootstrap import greedy_answers, sft
 from models.rewards import score
 from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, load_hf, single_token_id
 from models.trainer import LossSettings, PolicyTrainer
-from storage import checkpoints
+from storage import checkpoints, lease
 from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, validate_run_id
 from storage.tracking import Tracker
@@ -58,6 +58,7 @@ class RunSession:
     history: list[dict] = field(default_factory=list)
     shard_info: dict[str, dict] = field(default_factory=dict)  # async: generation figures per published shard
     weights: SharedWeights | None = None  # `pipeline.push_weights`: how new versions reach the workers
+    lease: lease.RunLease | None = None  # this process writes the run; given back last, when the session closes
     saving: tuple[int, Future] | None = None  # the version whose checkpoint is being written in the background
     held: list = field(default_factory=list)  # background work held back until `release` (callables)
     rollouts: list[PrefectFuture] = field(default_factory=list)  # sync/periodic: the iteration's rollout tasks
@@ -118,9 +119,13 @@ class RunSession:
             if self._saver is not None:
                 self._saver.shutdown(wait=True)
         finally:
-            self.pool.close()
-            if self.weights is not None:
-                self.weights.unlink()
+            try:
+                self.pool.close()
+                if self.weights is not None:
+                    self.weights.unlink()
+            finally:  # after the workers: an orphan's shard must not land in a run another process has taken
+                if self.lease is not None:
+                    self.lease.release()
 
 
 SESSIONS: dict[str, RunSession] = {}
@@ -340,18 +345,41 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
     torch.set_num_threads(cfg.resources.train_threads)
     config_path = f"{lake.run_dir(run_id)}/config.json"
     check_tracking(cfg)  # before the run is written and the bootstrap's minutes are spent
-    if lake.fs.exists(config_path):
-        if not resume:
-            raise RunExistsError(f"run {run_id} already exists in {cfg.lake.uri}: continue it with "
-                                 f"`lockstep resume {run_id} --lake {cfg.lake.uri}` or choose another run.run_id")
+    exists = lake.fs.exists(config_path)
+    if exists and not resume:
+        raise _run_exists(cfg, run_id)
+    if resume and not exists:
+        raise FileNotFoundError(f"no run {run_id} in {cfg.lake.uri} to resume ({config_path} is missing)")
+    if not exists:
+        check_inputs(cfg)  # a model or dataset that cannot be read fails here, before the run exists
+        check_task(cfg)
+    held = lease.acquire(lake, run_id, "resume" if resume else "train")  # before anything of the run is touched
+    try:
+        session = _open_held(cfg, lake, run_id, device, resume, on_progress)
+    except BaseException:
+        held.release()
+        raise
+    session.lease = held
+    register(session)
+    return session
+
+
+def _run_exists(cfg: Config, run_id: str) -> RunExistsError:
+    return RunExistsError(f"run {run_id} already exists in {cfg.lake.uri}: continue it with "
+                          f"`lockstep resume {run_id} --lake {cfg.lake.uri}` or choose another run.run_id")
+
+
+def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resume: bool,
+               on_progress) -> RunSession:
+    """`open_session` once the run's lease is held: nobody else writes the run from here."""
+    config_path = f"{lake.run_dir(run_id)}/config.json"
+    if resume:
         tmp_dir = f"{lake.run_dir(run_id)}/_tmp"
         if lake.fs.exists(tmp_dir):  # leftovers of writes cut short by the crash; never read by anyone
             lake.fs.rm(tmp_dir, recursive=True)
-    elif resume:
-        raise FileNotFoundError(f"no run {run_id} in {cfg.lake.uri} to resume ({config_path} is missing)")
+    elif lake.fs.exists(config_path):  # a `lockstep train` of the same run id that ended while this one checked
+        raise _run_exists(cfg, run_id)
     else:
-        check_inputs(cfg)  # a model or dataset that cannot be read fails here, before the run exists
-        check_task(cfg)
         atomic_write_bytes(lake, run_id, config_path, resolved_json(cfg).encode())
 
     torch.set_num_threads(os.cpu_count() or 1)  # no rollout worker runs yet: the bootstrap may use every core
@@ -404,7 +432,6 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
             undo.callback(session.weights.unlink)
             session.weights.write(trainer.model)  # the version the run starts from
         undo.pop_all()  # opened: from here the flow's `finally` closes the session
-    register(session)
     return session
 
 

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.train import train_flow
 from models.engine import sample_seed
-from storage import ledger
+from storage import lease, ledger
 from storage.checkpoints import verify_checkpoint
 from storage.lake import Lake
 from storage.shards import read_shard, table_to_records
@@ -25,6 +25,8 @@ def test_two_iterations_through_prefect(tmp_path):
     summary = train_flow(config_path=cfg)
     lake_uri = str(tmp_path / "lake")
     lake = Lake(lake_uri)
+    # the run's lease was held (its LOCK file) and is given back with the session: `lockstep resume` may follow
+    assert (tmp_path / f"lake/runs/{rid}/LOCK").exists() and lease.holder(lake, rid) is None
 
     # the ephemeral Prefect API server this run started yields the CPU to rollout and training (nice 10)
     from prefect.server.api.server import SubprocessASGIServer

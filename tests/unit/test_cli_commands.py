@@ -66,6 +66,9 @@ def test_replay_flow_errors_exit_2(lake_with_run, capsys, monkeypatch):
         raise FileExistsError(f"run {to_run_id} already exists in {lake_uri}: choose another --to")
 
     monkeypatch.setattr(flows.replay, "replay_flow", exists)
+    (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000").mkdir(parents=True)
+    (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000" / "MANIFEST.json").write_text("{}")
+    (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
     assert cli.main(["replay", "r1", "--lake", str(lake_with_run), "--to", "r1"]) == 2
     assert squash(f"error: cannot replay 'r1': run r1 already exists in {lake_with_run}") in cli_stderr(capsys)
 

@@ -392,6 +392,9 @@ def test_cli_train_and_replay_with_an_unreachable_prefect_api_exit_2_before_any_
         run = lake / "runs" / "r1"
         run.mkdir(parents=True)
         (run / "config.json").write_text(resolved_json(load_config(None, ["run.run_id=r1"])))
+        (run / "checkpoints" / "v000000").mkdir(parents=True)  # a promoted v0: replay's own check passes
+        (run / "checkpoints" / "v000000" / "MANIFEST.json").write_text("{}")
+        (run / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
         assert cli.main(["replay", "r1", "--lake", str(lake)]) == 2
         assert squash(f"error: cannot replay 'r1': the Prefect API at PREFECT_API_URL={url} is unreachable") in (
             cli_stderr(capsys))

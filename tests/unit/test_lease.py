@@ -1,0 +1,212 @@
+"""The run lease (storage/lease.py): one process at a time writes a run, a dead holder frees it at once (local) or
+after its TTL (object stores), and the refusal names the holder and what to do."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flows import cli
+from storage import lease
+from storage.lake import Lake
+from tests.cli_output import cli_stderr, squash
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_held_local_run_refuses_a_second_lease_naming_the_holder(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    held = lease.acquire(lake, "r1", "train")
+    assert lease.holder(lake, "r1") == {"host": socket.gethostname(), "pid": os.getpid(), "command": "train",
+                                        "since": lease.holder(lake, "r1")["since"]}
+    with pytest.raises(lease.RunInUseError) as e:  # another open file of the same process: flock refuses it too
+        lease.acquire(lake, "r1", "resume")
+    assert str(e.value) == (
+        f"run r1 in {lake.uri} is in use by `lockstep train` (pid {os.getpid()} on host {socket.gethostname()}, "
+        f"since {lease.holder(lake, 'r1')['since']}): one process at a time writes a run; wait for it to end, or stop "
+        f"it (kill {os.getpid()}, or Ctrl-C where it runs) and then `lockstep resume r1 --lake {lake.uri}`")
+    assert lease.holder(lake, "r2") is None  # other runs are free
+    lease.acquire(lake, "r2", "train").release()
+    held.release()
+    held.release()  # idempotent
+    assert lease.holder(lake, "r1") is None
+    assert (tmp_path / "lake/runs/r1/LOCK").read_bytes() == b""  # kept (see acquire), naming nobody
+    with lease.acquire(lake, "r1", "resume"):
+        assert lease.holder(lake, "r1")["command"] == "resume"
+    assert lease.holder(lake, "r1") is None
+
+
+def test_a_killed_holder_frees_a_local_run_at_once(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    code = ("import sys, time; from storage import lease; from storage.lake import Lake; "
+            f"lease.acquire(Lake({lake.uri!r}), 'r1', 'train'); print('held', flush=True); time.sleep(120)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        with pytest.raises(lease.RunInUseError, match=f"`lockstep train` \\(pid {proc.pid} on host "):
+            lease.acquire(lake, "r1", "resume")
+        assert lease.holder(lake, "r1")["pid"] == proc.pid
+        proc.send_signal(signal.SIGKILL)  # no cleanup runs: the kernel drops the lock with the process
+        proc.wait(timeout=30)
+        lease.acquire(lake, "r1", "resume").release()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def memory_lake() -> Lake:
+    return Lake(f"memory://lease-{uuid.uuid4().hex}")
+
+
+def write_lease(lake: Lake, run_id: str, **fields) -> None:
+    holder = {"host": "elsewhere", "pid": 7, "command": "train", "since": "2026-12-04T00:00:00Z", "token": "t0",
+              "renewed": time.time(), **fields}
+    lake.fs.makedirs(lake.run_dir(run_id), exist_ok=True)
+    lake.fs.pipe_file(f"{lake.run_dir(run_id)}/LEASE.json", json.dumps(holder).encode())
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_remote_lease_is_refused_while_renewed_and_taken_over_when_not(monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_S", 0.0)
+    lake = memory_lake()
+    write_lease(lake, "live")  # another host renewed it just now
+    with pytest.raises(lease.RunInUseError, match=r"`lockstep train` \(pid 7 on host elsewhere, since "):
+        lease.acquire(lake, "live", "resume")
+    assert lease.holder(lake, "live")["host"] == "elsewhere"
+    # renewed 61 s ago (TTL 60 s); a process of this host that is gone; damaged; a renewal time that is no number
+    write_lease(lake, "stale", renewed=time.time() - lease.TTL_S - 1)
+    write_lease(lake, "dead", host=socket.gethostname(), pid=dead_pid())
+    write_lease(lake, "text", renewed="soon")
+    lake.fs.pipe_file(f"{lake.run_dir('damaged')}/LEASE.json", b"{cut sh")
+    for run_id in ("stale", "dead", "text", "damaged"):
+        assert lease.holder(lake, run_id) is None, run_id
+        with lease.acquire(lake, run_id, "resume"):
+            assert lease.holder(lake, run_id)["pid"] == os.getpid()
+            with pytest.raises(lease.RunInUseError):  # this process holds it now
+                lease.acquire(lake, run_id, "train")
+        assert not lake.fs.exists(f"{lake.run_dir(run_id)}/LEASE.json")  # released: removed
+        assert lease.holder(lake, run_id) is None
+
+
+def test_a_remote_lease_is_renewed_and_its_renewer_stops_when_taken_over(monkeypatch, caplog):
+    monkeypatch.setattr(lease, "SETTLE_S", 0.0)
+    monkeypatch.setattr(lease, "RENEW_S", 0.05)
+    lake = memory_lake()
+    held = lease.acquire(lake, "r1", "train")
+    path = f"{lake.run_dir('r1')}/LEASE.json"
+    first = json.loads(lake.fs.cat_file(path))["renewed"]
+    deadline = time.monotonic() + 10
+    while json.loads(lake.fs.cat_file(path))["renewed"] == first and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert json.loads(lake.fs.cat_file(path))["renewed"] > first
+    with caplog.at_level(logging.ERROR, logger="lockstep"):
+        write_lease(lake, "r1", token="rival")  # what a process that found it expired writes
+        deadline = time.monotonic() + 10
+        while held._renewer.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert not held._renewer.is_alive()
+    assert "the lease of run r1 was taken over by `lockstep train` (pid 7 on host elsewhere" in caplog.text
+    held.release()
+    assert json.loads(lake.fs.cat_file(path))["token"] == "rival"  # the rival's lease is not removed
+
+
+def test_a_remote_lease_whose_write_was_overtaken_is_refused(monkeypatch):
+    lake = memory_lake()
+
+    def rival_writes(_s):  # another process writes its lease between this one's write and its read-back
+        write_lease(lake, "r1", token="rival", pid=99)
+
+    monkeypatch.setattr(lease.time, "sleep", rival_writes)
+    with pytest.raises(lease.RunInUseError, match=r"pid 99 on host elsewhere"):
+        lease.acquire(lake, "r1", "train")
+    assert json.loads(lake.fs.cat_file(f"{lake.run_dir('r1')}/LEASE.json"))["token"] == "rival"
+
+
+# ------------------------------------------------------------------------------------------------ the commands
+
+
+@pytest.fixture
+def held_run(tmp_path):
+    """A lake with run r1, whose lease this test process holds as `lockstep train` would."""
+    from configs.schema import load_config, resolved_json
+
+    run = tmp_path / "lake" / "runs" / "r1"
+    (run / "_tmp").mkdir(parents=True)
+    (run / "_tmp" / "in-flight.arrow").write_bytes(b"a shard being written")
+    (run / "config.json").write_text(resolved_json(load_config(None, ["run.run_id=r1", "tracking.enabled=false"])))
+    lake = Lake(str(tmp_path / "lake"))
+    with lease.acquire(lake, "r1", "train"):
+        yield tmp_path / "lake"
+
+
+def test_resume_of_a_run_in_use_exits_2_and_touches_nothing(held_run, capfd):
+    # the real flow: open_session takes the lease before it clears _tmp/ (where the running one writes)
+    code = cli.main(["resume", "r1", "--lake", str(held_run)])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and "Encountered exception" not in err
+    assert squash(f"error: run r1 in {held_run} is in use by `lockstep train` (pid {os.getpid()} on host") in (
+        squash(err))
+    assert (held_run / "runs/r1/_tmp/in-flight.arrow").read_bytes() == b"a shard being written"
+
+
+def test_runs_shows_a_run_in_use_as_running_with_its_holder(held_run, capsys):
+    assert cli.main(["runs", "--lake", str(held_run)]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.split()[:2] == ["r1", "running"]
+    assert f"(`lockstep train` (pid {os.getpid()} on host {socket.gethostname()}, since " in line
+
+
+def test_replay_into_a_run_in_use_exits_2(held_run, capsys, monkeypatch):
+    (held_run / "runs/r1/checkpoints/v000000").mkdir(parents=True)
+    (held_run / "runs/r1/checkpoints/v000000/MANIFEST.json").write_text("{}")
+    (held_run / "runs/r1/checkpoints/PROMOTED").write_text('{"version": 0}')
+    lake = Lake(str(held_run))
+    with lease.acquire(lake, "r2", "train"):  # r2: a `train` that holds the lease and has not written its config
+        assert cli.main(["replay", "r1", "--lake", str(held_run), "--to", "r2"]) == 2
+    assert squash(f"error: cannot replay 'r1': run r2 in {held_run} is in use by `lockstep train`") in (
+        cli_stderr(capsys))
+    assert sorted(p.name for p in (held_run / "runs/r2").iterdir()) == ["LOCK"]
+
+
+def test_replay_of_a_run_without_a_promoted_version_exits_2(held_run, capsys):
+    # a run still in its bootstrap has no v0: replay failed with the model loader's OSError traceback
+    assert cli.main(["replay", "r1", "--lake", str(held_run)]) == 2
+    assert squash(f"error: cannot replay 'r1': run r1 has no promoted version in {held_run} yet (v0 is promoted "
+                  "once its bootstrap ends)") in cli_stderr(capsys)
+    (held_run / "runs/r1/checkpoints").mkdir()  # PROMOTED names v0, whose folder was removed since
+    (held_run / "runs/r1/checkpoints/PROMOTED").write_text('{"version": 0}')
+    assert cli.main(["replay", "r1", "--lake", str(held_run)]) == 2
+    assert squash(f"error: cannot replay 'r1': run r1's checkpoint v0 ({held_run}/runs/r1/checkpoints/v000000) has "
+                  "no MANIFEST.json") in cli_stderr(capsys)
+
+
+def test_a_session_that_fails_to_open_gives_the_lease_back(tmp_path, monkeypatch):
+    from configs.schema import load_config
+    from tasks import session
+
+    def fail(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(session, "_open_held", fail)
+    cfg = load_config(None, ["run.run_id=r1", f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false"])
+    with pytest.raises(OSError, match="no space left"):
+        session.open_session(cfg)
+    assert (tmp_path / "lake/runs/r1/LOCK").exists()  # it was taken
+    assert lease.holder(Lake(str(tmp_path / "lake")), "r1") is None
