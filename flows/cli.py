@@ -30,14 +30,21 @@ def _quiet_environment() -> None:
 
 class _DropReported(logging.Filter):
     """Drops Prefect's "Encountered exception" record (with its traceback) for the input errors the CLI reports
-    itself in one line; the flow run still ends Failed, with the message, in Prefect's own records."""
+    itself in one line, and its ERROR lines for a Ctrl-C or SIGTERM ("Crash detected! Execution was aborted by an
+    interrupt signal.", "Finished in state Crashed(...)" per task and flow run), which the CLI reports as a stop with
+    the command to resume; the runs still end Failed or Crashed, with the message, in Prefect's own records."""
+
+    STOPPED = ("Execution was aborted by an interrupt signal.", "Execution was aborted by a termination signal.")
 
     def __init__(self, errors: tuple[type[BaseException], ...]):
         super().__init__()
         self.errors = errors
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], self.errors))
+        if record.exc_info and isinstance(record.exc_info[1], self.errors):
+            return False
+        message = record.getMessage()
+        return not any(stop in message for stop in self.STOPPED)
 
 
 @contextlib.contextmanager
@@ -221,6 +228,8 @@ def _run_config_path(lake, run_id: str) -> str:
 
 def cmd_replay(args) -> int:
     """Retrain from stored shards only and print, per version, the max abs parameter difference."""
+    from prefect.exceptions import TerminationSignal
+
     from storage.checkpoints import CheckpointError
     from storage.lake import Lake, validate_run_id
     from storage.lease import RunInUseError
@@ -243,6 +252,12 @@ def cmd_replay(args) -> int:
         # is a ValueError; CheckpointError: a damaged PROMOTED
         print(f"error: cannot replay {args.run_id!r}: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C or SIGTERM (Prefect's handler while the flow runs):
+        # the source run is only read
+        kept = (f"; {args.to} keeps the versions replayed so far (replay refuses an existing target: choose another "
+                "--to)") if args.to else ""
+        print(f"interrupted: replay of {args.run_id} stopped{kept}", file=sys.stderr)
+        return 130
     for r in rows:
         print(f"v{r['version']:>6}  max_abs_diff {r['max_abs_diff']:.3e}")
     worst = max((r["max_abs_diff"] for r in rows), default=0.0)
@@ -577,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     except LakeURLError as e:  # --lake of any command
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM in a command that does not say more (train, resume, replay do)
+        print("interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         if not _stdout_closed():  # another pipe or socket: a real error
             raise

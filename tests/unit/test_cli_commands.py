@@ -332,6 +332,47 @@ def test_train_of_an_existing_run_prints_one_line_not_prefects_traceback(lake_wi
         squash(err))
 
 
+def test_prefects_crash_line_for_a_stop_is_left_to_the_cli_and_other_crashes_are_kept(caplog):
+    # Ctrl-C and SIGTERM: the CLI prints "interrupted: ... lockstep resume ..."; Prefect's ERROR "Crash detected!"
+    # line before it read as a failure. A crash of another cause (SystemExit in a task) is still logged.
+    stops = ["Crash detected! Execution was aborted by an interrupt signal.",
+             "Crash detected! Execution was aborted by a termination signal.",
+             "Finished in state Crashed('Execution was aborted by a termination signal.')"]
+    other = "Crash detected! Execution was aborted by Python system exit call."
+    with caplog.at_level(logging.ERROR), cli._reported_by_cli(ValueError):
+        for name in ("prefect.flow_runs", "prefect.task_runs"):
+            for message in [*stops, other]:
+                logging.getLogger(name).error(message)
+    assert [r.getMessage() for r in caplog.records] == [other, other]
+    with caplog.at_level(logging.ERROR):  # outside a run the filter is gone
+        logging.getLogger("prefect.flow_runs").error(stops[0])
+    assert caplog.records[-1].getMessage() == stops[0]
+
+
+def test_ctrl_c_in_a_command_is_one_line_not_a_traceback(monkeypatch, capsys, lake_with_run):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_runs", interrupted)
+    assert cli.main(["runs", "--lake", str(lake_with_run)]) == 130
+    assert cli_stderr(capsys) == squash("interrupted\n")
+
+
+def test_ctrl_c_in_replay_says_what_its_target_keeps(monkeypatch, capsys, lake_with_run):
+    import flows.replay
+
+    def interrupted(**kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flows.replay, "replay_flow", interrupted)
+    (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000").mkdir(parents=True)
+    (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000" / "MANIFEST.json").write_text("{}")
+    (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
+    assert cli.main(["replay", "r1", "--lake", str(lake_with_run), "--to", "r9"]) == 130
+    assert squash("interrupted: replay of r1 stopped; r9 keeps the versions replayed so far (replay refuses an "
+                  "existing target: choose another --to)") in cli_stderr(capsys)
+
+
 def test_output_cut_by_a_closed_pipe_ends_quietly(tmp_path):
     # `lockstep audit ... | head`: the reader goes away while the CLI still writes; was a BrokenPipeError traceback
     for i in range(3000):
