@@ -66,9 +66,10 @@ def check_replayable(lake: Lake, run_id: str) -> None:
 
 
 def _target_exists(lake: Lake, to_run_id: str) -> bool:
-    """Whether run `to_run_id` has anything but the `LOCK` of a command that gave up before writing its config."""
+    """Whether run `to_run_id` has anything but the lease files of a command that gave up before writing its
+    config."""
     run_dir = lake.run_dir(to_run_id)
-    return lake.fs.exists(run_dir) and any(p.rstrip("/").rsplit("/", 1)[-1] != "LOCK"
+    return lake.fs.exists(run_dir) and any(p.rstrip("/").rsplit("/", 1)[-1] not in lease.FILES
                                            for p in lake.fs.ls(run_dir, detail=False))
 
 

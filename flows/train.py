@@ -202,6 +202,8 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             for j in range(start_iteration, min(cfg.run.iterations, start_iteration + cfg.pipeline.max_staleness)):
                 plan_task(s.run_id, j)
         for k in range(start_iteration, cfg.run.iterations):
+            if s.lease is not None:  # a lease lost to another process (object stores): stop before writing more
+                s.lease.check()
             try:
                 fig = _iteration(s, k)
             except Exception as e:  # the previous promoted checkpoint stays; resume restarts this iteration

@@ -8,9 +8,12 @@ instead, with who holds the run.
 On a local lake the lease is an exclusive `flock` on `{run}/LOCK`, which the kernel drops when its process dies
 however it dies (a SIGKILLed run can be resumed at once). Object stores have no locks: there `{run}/LEASE.json`
 names its holder and the time it was last renewed (every `RENEW_S` by a thread); a lease not renewed for `TTL_S`,
-or held by a process of this host that is gone, is taken over. Its limits: two starts within the same moment can
-both read a free lease (each checks that its own write is the one that stays, which closes most of that window),
-and hosts whose clocks differ by more than `TTL_S - RENEW_S` can misjudge a live lease as expired.
+or held by a process that is gone from this machine's own process table, is taken over. Its limits: two starts
+within the same moment can both read a free lease (each checks that its own write is the one that stays, which
+closes most of that window), and clocks that differ between hosts by more than `TTL_S - RENEW_S` can misjudge a
+live lease as expired (behind) or keep a dead one for up to another `TTL_S` (ahead). A holder that finds its lease
+taken over marks it lost, and the run stops at its next iteration (`check`). Lease files are read and written
+past any local cache of a chained URL (`simplecache::s3://...`), which would show each process its own copy.
 """
 
 from __future__ import annotations
@@ -26,20 +29,38 @@ import time
 import uuid
 from datetime import datetime, timezone
 
+from fsspec.implementations.cached import CachingFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
 from storage.lake import Lake
 
 TTL_S = 60.0
 RENEW_S = 15.0
 SETTLE_S = 0.2  # between writing a remote lease and reading it back: a rival's write lands in this window
+FILES = ("LOCK", "LEASE.json")  # what a run folder holds before its config.json
+PROBE_RETRIES = 20  # `holder()` (lockstep runs) holds a shared lock for an instant: an acquire that meets it retries
+PROBE_WAIT_S = 0.005
 
 
 class RunInUseError(RuntimeError):
-    """The run's lease is held by another process (or by another lease of this one)."""
+    """The run's lease is held by another process (or by another lease of this one), or was lost to one."""
+
+
+def _machine() -> dict:
+    """What tells this machine's process table apart: the boot and the pid namespace (containers sharing a host
+    name, as with `--network host`, number their processes apart)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux: the pid of a holder is never judged
+        return {}
+    return {"boot": boot, "pidns": pidns}
 
 
 def _holder(command: str) -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
-            "since": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+            "since": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **_machine()}
 
 
 def describe(holder: dict | None) -> str:
@@ -50,22 +71,38 @@ def describe(holder: dict | None) -> str:
             f"since {holder.get('since', '?')})")
 
 
-def _in_use(lake: Lake, run_id: str, holder: dict | None) -> RunInUseError:
-    pid = holder.get("pid") if holder else None
-    stop = f"stop it (kill {pid}, or Ctrl-C where it runs) " if pid else "stop it "
-    return RunInUseError(f"run {run_id} in {lake.uri} is in use by {describe(holder)}: one process at a time writes "
-                         f"a run; wait for it to end, or {stop}and then `lockstep resume {run_id} --lake {lake.uri}`")
+def _in_use(lake: Lake, run_id: str, holder: dict | None, command: str) -> RunInUseError:
+    """The refusal, with what to do for the command refused: a `train` or `replay --to` chooses another run id (the
+    holder may be a live run: never advise to kill it), a `resume` waits or stops the holder."""
+    if command == "replay":
+        todo = "choose another --to"
+    elif command == "train":
+        todo = "choose another run.run_id, or wait for it to end and then `lockstep resume`"
+    else:
+        pid = holder.get("pid") if holder else None
+        stop = f"stop it (kill {pid} on its host, or Ctrl-C where it runs) " if pid else "stop it "
+        todo = f"wait for it to end, or {stop}and then `lockstep resume {run_id} --lake {lake.uri}`"
+    expiry = ""
+    if holder and isinstance(holder.get("renewed"), (int, float)):  # a remote lease: when it lapses if its holder died
+        age = max(0.0, time.time() - holder["renewed"])
+        expiry = f"; its lease was renewed {age:.0f} s ago and lapses {TTL_S:.0f} s after its last renewal"
+    return RunInUseError(f"run {run_id} in {lake.uri} is in use by {describe(holder)}{expiry}: one process at a time "
+                         f"writes a run; {todo}")
 
 
 def _live(lease: dict) -> bool:
-    """Whether a remote lease still holds: renewed within `TTL_S`, and not by a process of this host that is gone."""
+    """Whether a remote lease still holds: renewed within `TTL_S` (a renewal time more than `TTL_S` ahead of this
+    clock is not believed), and not by a process of this machine that is gone."""
     renewed = lease.get("renewed")
-    return isinstance(renewed, (int, float)) and time.time() - renewed < TTL_S and _alive_here(lease)
+    return (isinstance(renewed, (int, float)) and abs(time.time() - renewed) < TTL_S and _alive_here(lease))
 
 
 def _alive_here(holder: dict) -> bool:
-    """Whether a holder of this host is still running (False for a dead pid; True when it cannot be told)."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+    """Whether a holder is still running: False only for a pid that is gone from this machine's own process table
+    (same host, boot and pid namespace); True when it cannot be told."""
+    here = _machine()
+    if (holder.get("host") != socket.gethostname() or not here or any(holder.get(k) != v for k, v in here.items())
+            or not isinstance(holder.get("pid"), int)):
         return True
     try:
         os.kill(holder["pid"], 0)
@@ -76,33 +113,53 @@ def _alive_here(holder: dict) -> bool:
     return True
 
 
+def _store(lake: Lake):
+    """The filesystem lease files go to: the lake's own, past any cache a chained URL puts in front of it."""
+    fs = lake.fs
+    while isinstance(fs, CachingFileSystem):
+        fs = fs.fs
+    return fs
+
+
 class RunLease:
-    """A held lease; `release()` (idempotent) gives the run back."""
+    """A held lease; `release()` (idempotent) gives the run back, `check()` raises if it was lost."""
 
     def __init__(self, lake: Lake, run_id: str, fd: int | None = None, token: str | None = None):
         self.lake, self.run_id, self._fd, self._token = lake, run_id, fd, token
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        self.lost: dict | None = None  # the lease found in place of this one by a renewal
 
     @property
     def held(self) -> bool:
-        return self._fd is not None or self._token is not None
+        return (self._fd is not None or self._token is not None) and self.lost is None
+
+    def check(self) -> None:
+        """RunInUseError if a renewal found the lease taken over: another process may now write the run, so this
+        one stops before it promotes anything more."""
+        if self.lost is not None:
+            raise RunInUseError(f"run {self.run_id} in {self.lake.uri}: this process lost the run's lease to "
+                                f"{describe(self.lost)} (not renewed within {TTL_S:.0f} s, or taken in the same "
+                                "moment); stopping before it writes more; `lockstep runs` shows who holds it now")
 
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            with contextlib.suppress(OSError):
+            try:
                 os.ftruncate(fd, 0)  # no holder named once it is free; the file stays (see `acquire`)
-            os.close(fd)  # drops the flock
+                fcntl.flock(fd, fcntl.LOCK_UN)  # now, not when the last copy of this descriptor closes
+            except OSError:
+                pass
+            os.close(fd)
         if self._token is not None:
             token, self._token = self._token, None
             self._stop.set()
             if self._renewer is not None:
                 self._renewer.join()
-            path = _lease_path(self.lake, self.run_id)
+            fs, path = _store(self.lake), _lease_path(self.lake, self.run_id)
             with contextlib.suppress(FileNotFoundError):
-                if (_read_remote(self.lake, path) or {}).get("token") == token:
-                    self.lake.fs.rm(path)
+                if (_read_remote(fs, path) or {}).get("token") == token:
+                    fs.rm(path)
 
     def __enter__(self) -> RunLease:
         return self
@@ -111,31 +168,32 @@ class RunLease:
         self.release()
 
     def _renew(self, holder: dict) -> None:
-        path = _lease_path(self.lake, self.run_id)
+        fs, path = _store(self.lake), _lease_path(self.lake, self.run_id)
         log = logging.getLogger("lockstep")
         while not self._stop.wait(RENEW_S):
             try:
-                current = _read_remote(self.lake, path) or {}
-                if current.get("token") != self._token:
-                    log.error("the lease of run %s was taken over by %s after %.0f s without renewal: two "
-                              "processes may now write this run", self.run_id, describe(current), TTL_S)
+                current = _read_remote(fs, path) or {}
+                if current.get("token") != holder["token"]:
+                    self.lost = current
+                    log.error("run %s: its lease is now held by %s; this process stops at its next iteration",
+                              self.run_id, describe(current))
                     return
-                self.lake.fs.pipe_file(path, json.dumps({**holder, "renewed": time.time()}).encode())
+                fs.pipe_file(path, json.dumps({**holder, "renewed": time.time()}).encode())
             except Exception as e:  # a store that fails for a while: the next renewal tries again
                 log.warning("run %s: lease renewal failed (%s); retrying in %.0f s", self.run_id, e, RENEW_S)
 
 
 def _lock_path(lake: Lake, run_id: str) -> str:
-    return f"{lake.run_dir(run_id)}/LOCK"
+    return f"{lake.run_dir(run_id)}/{FILES[0]}"
 
 
 def _lease_path(lake: Lake, run_id: str) -> str:
-    return f"{lake.run_dir(run_id)}/LEASE.json"
+    return f"{lake.run_dir(run_id)}/{FILES[1]}"
 
 
-def _read_remote(lake: Lake, path: str) -> dict | None:
+def _read_remote(fs, path: str) -> dict | None:
     try:
-        data = lake.fs.cat_file(path)
+        data = fs.cat_file(path)
     except FileNotFoundError:
         return None
     try:
@@ -155,36 +213,41 @@ def _read_fd(fd: int) -> dict | None:
 
 
 def acquire(lake: Lake, run_id: str, command: str) -> RunLease:
-    """Hold run `run_id`'s lease for `command` ('train', 'resume', 'replay'); RunInUseError naming the holder if
-    another process has it. Creates the run's folder if it does not exist yet."""
-    lake.fs.makedirs(lake.run_dir(run_id), exist_ok=True)
+    """Hold run `run_id`'s lease for `command` ('train', 'resume', 'replay'); RunInUseError naming the holder and
+    what to do if another process has it. Creates the run's folder if it does not exist yet. No process may be
+    forked while a local lease is held (spawn only, as lockstep's workers are): a forked copy of the descriptor
+    would keep the run locked after its holder died."""
+    fs = _store(lake)
+    fs.makedirs(lake.run_dir(run_id), exist_ok=True)
     holder = _holder(command)
-    if lake.is_local:
+    if isinstance(fs, LocalFileSystem):
         # The file is never removed: removing it while another process opens it would give the two of them locks
         # on two different files.
         fd = os.open(_lock_path(lake, run_id), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held_by = _read_fd(fd)
-            os.close(fd)
-            raise _in_use(lake, run_id, held_by) from None
-        data = json.dumps(holder).encode()
+        for attempt in range(PROBE_RETRIES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                held_by = _read_fd(fd)
+                if held_by or attempt == PROBE_RETRIES - 1:  # a holder, not a `holder()` probe
+                    os.close(fd)
+                    raise _in_use(lake, run_id, held_by, command) from None
+                time.sleep(PROBE_WAIT_S)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
         return RunLease(lake, run_id, fd=fd)
     path = _lease_path(lake, run_id)
-    current = _read_remote(lake, path)
+    current = _read_remote(fs, path)
     if current is not None and _live(current):
-        raise _in_use(lake, run_id, current)
-    token = uuid.uuid4().hex
-    holder = {**holder, "token": token}
-    lake.fs.pipe_file(path, json.dumps({**holder, "renewed": time.time()}).encode())
+        raise _in_use(lake, run_id, current, command)
+    holder["token"] = uuid.uuid4().hex
+    fs.pipe_file(path, json.dumps({**holder, "renewed": time.time()}).encode())
     time.sleep(SETTLE_S)
-    current = _read_remote(lake, path)
-    if (current or {}).get("token") != token:  # a rival wrote after us: its lease stands
-        raise _in_use(lake, run_id, current)
-    lease = RunLease(lake, run_id, token=token)
+    current = _read_remote(fs, path)
+    if (current or {}).get("token") != holder["token"]:  # a rival wrote after us: its lease stands
+        raise _in_use(lake, run_id, current, command)
+    lease = RunLease(lake, run_id, token=holder["token"])
     lease._renewer = threading.Thread(target=lease._renew, args=(holder,), name="lockstep-lease", daemon=True)
     lease._renewer.start()
     return lease
@@ -192,7 +255,8 @@ def acquire(lake: Lake, run_id: str, command: str) -> RunLease:
 
 def holder(lake: Lake, run_id: str) -> dict | None:
     """Who holds run `run_id` now (host, pid, command, since), or None if nobody does."""
-    if lake.is_local:
+    fs = _store(lake)
+    if isinstance(fs, LocalFileSystem):
         try:
             fd = os.open(_lock_path(lake, run_id), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -206,5 +270,5 @@ def holder(lake: Lake, run_id: str) -> dict | None:
             return None
         finally:
             os.close(fd)
-    current = _read_remote(lake, _lease_path(lake, run_id))
+    current = _read_remote(fs, _lease_path(lake, run_id))
     return current if current is not None and _live(current) else None

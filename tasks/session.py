@@ -347,7 +347,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
     check_tracking(cfg)  # before the run is written and the bootstrap's minutes are spent
     exists = lake.fs.exists(config_path)
     if exists and not resume:
-        raise _run_exists(cfg, run_id)
+        raise _run_exists(cfg, run_id, lake)
     if resume and not exists:
         raise FileNotFoundError(f"no run {run_id} in {cfg.lake.uri} to resume ({config_path} is missing)")
     if not exists:
@@ -364,7 +364,13 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
     return session
 
 
-def _run_exists(cfg: Config, run_id: str) -> RunExistsError:
+def _run_exists(cfg: Config, run_id: str, lake: Lake | None = None) -> RunExistsError:
+    """The refusal of a `train` of an existing run; with `lake` (the lease not held by this process), naming the
+    process that runs it now, if one does."""
+    held_by = lease.holder(lake, run_id) if lake is not None else None
+    if held_by is not None:  # running now: a resume would be refused too
+        return RunExistsError(f"run {run_id} already exists in {cfg.lake.uri} and is in use by "
+                              f"{lease.describe(held_by)}: choose another run.run_id")
     return RunExistsError(f"run {run_id} already exists in {cfg.lake.uri}: continue it with "
                           f"`lockstep resume {run_id} --lake {cfg.lake.uri}` or choose another run.run_id")
 

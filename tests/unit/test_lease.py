@@ -27,14 +27,22 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_held_local_run_refuses_a_second_lease_naming_the_holder(tmp_path):
     lake = Lake(str(tmp_path / "lake"))
     held = lease.acquire(lake, "r1", "train")
-    assert lease.holder(lake, "r1") == {"host": socket.gethostname(), "pid": os.getpid(), "command": "train",
-                                        "since": lease.holder(lake, "r1")["since"]}
+    now = lease.holder(lake, "r1")
+    assert {k: now[k] for k in ("host", "pid", "command")} == {"host": socket.gethostname(), "pid": os.getpid(),
+                                                                "command": "train"}
     with pytest.raises(lease.RunInUseError) as e:  # another open file of the same process: flock refuses it too
         lease.acquire(lake, "r1", "resume")
     assert str(e.value) == (
         f"run r1 in {lake.uri} is in use by `lockstep train` (pid {os.getpid()} on host {socket.gethostname()}, "
-        f"since {lease.holder(lake, 'r1')['since']}): one process at a time writes a run; wait for it to end, or stop "
-        f"it (kill {os.getpid()}, or Ctrl-C where it runs) and then `lockstep resume r1 --lake {lake.uri}`")
+        f"since {now['since']}): one process at a time writes a run; wait for it to end, or stop it (kill "
+        f"{os.getpid()} on its host, or Ctrl-C where it runs) and then `lockstep resume r1 --lake {lake.uri}`")
+    # a train or replay --to that meets a live run is told to choose another id, never to kill it
+    with pytest.raises(lease.RunInUseError) as e:
+        lease.acquire(lake, "r1", "train")
+    assert str(e.value).endswith("writes a run; choose another run.run_id, or wait for it to end and then "
+                                 "`lockstep resume`") and "kill" not in str(e.value)
+    with pytest.raises(lease.RunInUseError, match="writes a run; choose another --to$"):
+        lease.acquire(lake, "r1", "replay")
     assert lease.holder(lake, "r2") is None  # other runs are free
     lease.acquire(lake, "r2", "train").release()
     held.release()
@@ -85,13 +93,22 @@ def dead_pid() -> int:
 def test_a_remote_lease_is_refused_while_renewed_and_taken_over_when_not(monkeypatch):
     monkeypatch.setattr(lease, "SETTLE_S", 0.0)
     lake = memory_lake()
-    write_lease(lake, "live")  # another host renewed it just now
-    with pytest.raises(lease.RunInUseError, match=r"`lockstep train` \(pid 7 on host elsewhere, since "):
+    write_lease(lake, "live", renewed=time.time() - 20)  # another host renewed it 20 s ago
+    with pytest.raises(lease.RunInUseError, match=r"`lockstep train` \(pid 7 on host elsewhere, since .*\); its "
+                                                  r"lease was renewed 20 s ago and lapses 60 s after its last renewal"):
         lease.acquire(lake, "live", "resume")
     assert lease.holder(lake, "live")["host"] == "elsewhere"
+    # a dead pid of this host name but another pid namespace (a container with --network host) or boot: its own
+    # process table is not this one, so only the TTL frees it
+    for other in ({"pidns": -1}, {"boot": "another-boot"}):
+        write_lease(lake, "other", host=socket.gethostname(), pid=dead_pid(), **{**lease._machine(), **other})
+        with pytest.raises(lease.RunInUseError):
+            lease.acquire(lake, "other", "resume")
+    write_lease(lake, "ahead", renewed=time.time() + lease.TTL_S + 5)  # a clock far ahead is not believed
+    assert lease.holder(lake, "ahead") is None
     # renewed 61 s ago (TTL 60 s); a process of this host that is gone; damaged; a renewal time that is no number
     write_lease(lake, "stale", renewed=time.time() - lease.TTL_S - 1)
-    write_lease(lake, "dead", host=socket.gethostname(), pid=dead_pid())
+    write_lease(lake, "dead", host=socket.gethostname(), pid=dead_pid(), **lease._machine())
     write_lease(lake, "text", renewed="soon")
     lake.fs.pipe_file(f"{lake.run_dir('damaged')}/LEASE.json", b"{cut sh")
     for run_id in ("stale", "dead", "text", "damaged"):
@@ -121,7 +138,11 @@ def test_a_remote_lease_is_renewed_and_its_renewer_stops_when_taken_over(monkeyp
         while held._renewer.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
     assert not held._renewer.is_alive()
-    assert "the lease of run r1 was taken over by `lockstep train` (pid 7 on host elsewhere" in caplog.text
+    assert "run r1: its lease is now held by `lockstep train` (pid 7 on host elsewhere" in caplog.text
+    assert not held.held
+    with pytest.raises(lease.RunInUseError, match="this process lost the run's lease to `lockstep train` "
+                                                  r"\(pid 7 on host elsewhere"):
+        held.check()  # what the flow asks before each iteration
     held.release()
     assert json.loads(lake.fs.cat_file(path))["token"] == "rival"  # the rival's lease is not removed
 
@@ -136,6 +157,49 @@ def test_a_remote_lease_whose_write_was_overtaken_is_refused(monkeypatch):
     with pytest.raises(lease.RunInUseError, match=r"pid 99 on host elsewhere"):
         lease.acquire(lake, "r1", "train")
     assert json.loads(lake.fs.cat_file(f"{lake.run_dir('r1')}/LEASE.json"))["token"] == "rival"
+
+
+def test_release_stops_the_renewer_before_removing_the_lease(monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_S", 0.0)
+    monkeypatch.setattr(lease, "RENEW_S", 0.01)
+    lake = memory_lake()
+    held = lease.acquire(lake, "r1", "train")
+    time.sleep(0.05)
+    held.release()
+    assert not held._renewer.is_alive()
+    time.sleep(0.05)  # a renewer left running would write the lease again
+    assert not lake.fs.exists(f"{lake.run_dir('r1')}/LEASE.json")
+
+
+def test_a_lease_behind_a_cache_is_read_from_the_store(tmp_path):
+    # simplecache:: would show each process its own cached copy of LEASE.json; a local store under it gets flock
+    cached = Lake(f"simplecache::file://{tmp_path / 'lake'}")
+    plain = Lake(str(tmp_path / "lake"))
+    with lease.acquire(cached, "r1", "train"):
+        assert (tmp_path / "lake/runs/r1/LOCK").exists()
+        with pytest.raises(lease.RunInUseError):
+            lease.acquire(plain, "r1", "resume")
+    lease.acquire(plain, "r1", "resume").release()
+
+
+def test_a_probe_by_lockstep_runs_does_not_refuse_a_start(tmp_path, monkeypatch):
+    # `holder()` takes a shared lock for an instant; an acquire meeting it waits it out instead of refusing
+    import fcntl
+
+    lake = Lake(str(tmp_path / "lake"))
+    lease.acquire(lake, "r1", "train").release()
+    fd = os.open(tmp_path / "lake/runs/r1/LOCK", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # the probe, caught holding it
+    sleeps = []
+
+    def sleep(s):
+        sleeps.append(s)
+        if len(sleeps) == 3:
+            os.close(fd)  # the probe ends
+
+    monkeypatch.setattr(lease.time, "sleep", sleep)
+    lease.acquire(lake, "r1", "resume").release()
+    assert sleeps == [lease.PROBE_WAIT_S] * 3
 
 
 # ------------------------------------------------------------------------------------------------ the commands
@@ -180,8 +244,9 @@ def test_replay_into_a_run_in_use_exits_2(held_run, capsys, monkeypatch):
     lake = Lake(str(held_run))
     with lease.acquire(lake, "r2", "train"):  # r2: a `train` that holds the lease and has not written its config
         assert cli.main(["replay", "r1", "--lake", str(held_run), "--to", "r2"]) == 2
-    assert squash(f"error: cannot replay 'r1': run r2 in {held_run} is in use by `lockstep train`") in (
-        cli_stderr(capsys))
+    err = cli_stderr(capsys)
+    assert squash(f"error: cannot replay 'r1': run r2 in {held_run} is in use by `lockstep train`") in err
+    assert err.endswith(squash("one process at a time writes a run; choose another --to\n"))
     assert sorted(p.name for p in (held_run / "runs/r2").iterdir()) == ["LOCK"]
 
 
@@ -197,16 +262,85 @@ def test_replay_of_a_run_without_a_promoted_version_exits_2(held_run, capsys):
                   "no MANIFEST.json") in cli_stderr(capsys)
 
 
-def test_a_session_that_fails_to_open_gives_the_lease_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [OSError("no space left on device"), KeyboardInterrupt()], ids=["oserror", "ctrl-c"])
+def test_a_session_that_fails_to_open_gives_the_lease_back(tmp_path, monkeypatch, error):
+    from configs.schema import load_config, resolved_json
+    from tasks import session
+
+    lake = Lake(str(tmp_path / "lake"))
+    seen = []
+
+    def fail(cfg, lake, run_id, device, resume, on_progress):
+        seen.append(lease.holder(lake, run_id)["command"])
+        raise error
+
+    monkeypatch.setattr(session, "_open_held", fail)
+    cfg = load_config(None, ["run.run_id=r1", f"lake.uri={lake.uri}", "tracking.enabled=false"])
+    with pytest.raises(type(error)):
+        session.open_session(cfg)
+    (tmp_path / "lake/runs/r1/config.json").write_text(resolved_json(cfg))
+    with pytest.raises(type(error)):
+        session.open_session(cfg, resume=True)
+    assert seen == ["train", "resume"]
+    assert lease.holder(lake, "r1") is None
+
+
+def test_a_train_that_finds_the_run_created_under_the_lease_is_refused(tmp_path, monkeypatch):
+    # two `train`s of one run id: the other wrote config.json and ended while this one checked its inputs
     from configs.schema import load_config
     from tasks import session
 
-    def fail(*args, **kwargs):
-        raise OSError("no space left on device")
-
-    monkeypatch.setattr(session, "_open_held", fail)
     cfg = load_config(None, ["run.run_id=r1", f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false"])
-    with pytest.raises(OSError, match="no space left"):
+    acquire = lease.acquire
+
+    def acquire_after_the_other(lake, run_id, command):
+        (tmp_path / "lake/runs/r1").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "lake/runs/r1/config.json").write_text("{}")
+        return acquire(lake, run_id, command)
+
+    monkeypatch.setattr(lease, "acquire", acquire_after_the_other)
+    with pytest.raises(session.RunExistsError, match="run r1 already exists in .*: continue it with `lockstep resume"):
         session.open_session(cfg)
-    assert (tmp_path / "lake/runs/r1/LOCK").exists()  # it was taken
+    assert (tmp_path / "lake/runs/r1/config.json").read_text() == "{}"  # not overwritten
     assert lease.holder(Lake(str(tmp_path / "lake")), "r1") is None
+
+
+def test_a_train_of_a_run_in_use_names_its_holder(held_run):
+    from configs.schema import load_config
+    from tasks import session
+
+    cfg = load_config(None, ["run.run_id=r1", f"lake.uri={held_run}", "tracking.enabled=false"])
+    with pytest.raises(session.RunExistsError) as e:
+        session.open_session(cfg)
+    assert str(e.value).startswith(f"run r1 already exists in {held_run} and is in use by `lockstep train` (pid "
+                                   f"{os.getpid()} on host ")
+    assert str(e.value).endswith("choose another run.run_id")
+
+
+def test_replay_into_a_target_created_under_the_lease_is_refused(tmp_path, monkeypatch):
+    from flows import replay
+
+    lake = Lake(str(tmp_path / "lake"))
+    acquire = lease.acquire
+
+    def acquire_after_the_other(lake_, run_id, command):
+        (tmp_path / "lake/runs/r2").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "lake/runs/r2/config.json").write_text("{}")
+        return acquire(lake_, run_id, command)
+
+    monkeypatch.setattr(replay, "check_replayable", lambda lake, run_id: None)
+    monkeypatch.setattr(lease, "acquire", acquire_after_the_other)
+    with pytest.raises(FileExistsError, match="replay target run r2 already exists"):
+        replay.replay_flow.fn(run_id="r1", lake_uri=lake.uri, to_run_id="r2")
+    assert lease.holder(lake, "r2") is None
+
+
+def test_runs_skips_the_lease_of_a_start_that_gave_up(tmp_path, capsys):
+    lake = Lake(str(tmp_path / "lake"))
+    lease.acquire(lake, "gone", "train").release()  # a folder holding only LOCK
+    (tmp_path / "lake/runs/empty").mkdir()
+    assert cli.main(["runs", "--lake", str(tmp_path / "lake")]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["empty"]
+    with lease.acquire(lake, "gone", "train"):  # held: a start between its lease and its config
+        assert cli.main(["runs", "--lake", str(tmp_path / "lake")]) == 0
+        assert "gone" in capsys.readouterr().out
