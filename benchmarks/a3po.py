@@ -35,38 +35,61 @@ METHODS = ("loglinear", "recompute")
 
 def main() -> None:
     ap = parser("benchmarks.a3po", __doc__)
-    ap.add_argument("--iterations", type=int, default=10, help="measured iterations per timing run, after the "
-                    "warm-up ones")
+    ap.add_argument(
+        "--iterations", type=int, default=10, help="measured iterations per timing run, after the warm-up ones"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="iterations run first and left out of the timing figures")
     ap.add_argument("--accuracy-iterations", type=int, default=120, help="iterations of each accuracy run")
-    ap.add_argument("--accuracy-staleness", type=int, nargs="*", default=[2, 8], help="staleness bounds of the "
-                    "accuracy runs (none: no accuracy runs)")
+    ap.add_argument(
+        "--accuracy-staleness",
+        type=int,
+        nargs="*",
+        default=[2, 8],
+        help="staleness bounds of the accuracy runs (none: no accuracy runs)",
+    )
     ap.add_argument("--skip-timing", action="store_true", help="only the accuracy and metrics runs")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run seeds of the accuracy and metrics "
-                    "runs")
-    ap.add_argument("--metrics-staleness", type=int, nargs="*", default=[], help="staleness bounds of the metrics-mode "
-                    "runs (none by default)")
+    ap.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="run seeds of the accuracy and metrics runs"
+    )
+    ap.add_argument(
+        "--metrics-staleness",
+        type=int,
+        nargs="*",
+        default=[],
+        help="staleness bounds of the metrics-mode runs (none by default)",
+    )
     ap.add_argument("--metrics-iterations", type=int, default=60, help="iterations of each metrics-mode run")
-    ap.add_argument("--metrics-skip", type=int, default=10, help="first iterations left out of the metrics averages "
-                    "(staleness still rising)")
-    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one); reusing one reuses the "
-                    "cached bootstrap of each seed")
+    ap.add_argument(
+        "--metrics-skip",
+        type=int,
+        default=10,
+        help="first iterations left out of the metrics averages (staleness still rising)",
+    )
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="work directory (default: a temporary one); reusing one reuses the cached bootstrap of each seed",
+    )
     args = ap.parse_args()
     check_range(ap, "--warmup", args.warmup, 0, MAX_ITERATIONS - 1)
     check_range(ap, "--iterations", args.iterations, 1, MAX_ITERATIONS - args.warmup)  # a run is both
     if not args.skip_timing and args.iterations + args.warmup < 3:
         # replayed_train_steps needs an iteration after the warm-up ones at trainer version (= iteration) >= 2
-        ap.error(f"--iterations {args.iterations} with --warmup {args.warmup}: the replayed train steps need an "
-                 "iteration at trainer version 2 or later after the warm-up ones: --iterations + --warmup must be at "
-                 "least 3")
+        ap.error(
+            f"--iterations {args.iterations} with --warmup {args.warmup}: the replayed train steps need an "
+            "iteration at trainer version 2 or later after the warm-up ones: --iterations + --warmup must be at "
+            "least 3"
+        )
     check_range(ap, "--accuracy-iterations", args.accuracy_iterations, 1, MAX_ITERATIONS)
     check_range(ap, "--metrics-iterations", args.metrics_iterations, 1, MAX_ITERATIONS)
     check_range(ap, "--metrics-skip", args.metrics_skip, 0)
     if args.metrics_staleness and args.metrics_skip >= args.metrics_iterations:
         ap.error(f"--metrics-skip {args.metrics_skip} must be in [0, --metrics-iterations {args.metrics_iterations})")
-    for flag, values, hi in (("--accuracy-staleness", args.accuracy_staleness, None),
-                             ("--metrics-staleness", args.metrics_staleness, None),
-                             ("--seeds", args.seeds, 2**32 - 1)):  # run.seed's bound
+    for flag, values, hi in (
+        ("--accuracy-staleness", args.accuracy_staleness, None),
+        ("--metrics-staleness", args.metrics_staleness, None),
+        ("--seeds", args.seeds, 2**32 - 1),
+    ):  # run.seed's bound
         for v in values:
             check_range(ap, flag, v, 0, hi)
         check_unique(ap, flag, values)
@@ -81,32 +104,64 @@ def main() -> None:
         for S in args.accuracy_staleness:
             accuracy = {}
             for prox in METHODS:
-                runs = [run(tmp, f"a3po-acc-s{S}-{prox}-{seed}-{stamp}", {"pipeline.mode": "async", "run.seed": seed,
-                                                                   "pipeline.max_staleness": S,
-                                                                   "algorithm.prox_logp": prox},
-                            args.accuracy_iterations, full=True) for seed in args.seeds]
+                runs = [
+                    run(
+                        tmp,
+                        f"a3po-acc-s{S}-{prox}-{seed}-{stamp}",
+                        {
+                            "pipeline.mode": "async",
+                            "run.seed": seed,
+                            "pipeline.max_staleness": S,
+                            "algorithm.prox_logp": prox,
+                        },
+                        args.accuracy_iterations,
+                        full=True,
+                    )
+                    for seed in args.seeds
+                ]
                 accuracy[prox] = accuracy_figures(runs)
-                emit(benchmark="a3po", prox_logp=prox, max_staleness=S, iterations=args.accuracy_iterations,
-                     seeds=args.seeds, **accuracy[prox])
+                emit(
+                    benchmark="a3po",
+                    prox_logp=prox,
+                    max_staleness=S,
+                    iterations=args.accuracy_iterations,
+                    seeds=args.seeds,
+                    **accuracy[prox],
+                )
             emit(benchmark="a3po", max_staleness=S, **accuracy_gap(accuracy["loglinear"], accuracy["recompute"]))
         for S in args.metrics_staleness:
             overrides = {"pipeline.mode": "async", "pipeline.max_staleness": S, "algorithm.prox_logp": "metrics"}
-            histories = [run(tmp, f"a3po-metrics-s{S}-{seed}-{stamp}", {**overrides, "run.seed": seed},
-                             args.metrics_iterations, full=True)["history"][args.metrics_skip:] for seed in args.seeds]
-            emit(benchmark="a3po", prox_logp="metrics", max_staleness=S, iterations=args.metrics_iterations,
-                 iterations_averaged=args.metrics_iterations - args.metrics_skip, seeds=args.seeds,
-                 **approximation_errors(histories))
+            histories = [
+                run(
+                    tmp,
+                    f"a3po-metrics-s{S}-{seed}-{stamp}",
+                    {**overrides, "run.seed": seed},
+                    args.metrics_iterations,
+                    full=True,
+                )["history"][args.metrics_skip :]
+                for seed in args.seeds
+            ]
+            emit(
+                benchmark="a3po",
+                prox_logp="metrics",
+                max_staleness=S,
+                iterations=args.metrics_iterations,
+                iterations_averaged=args.metrics_iterations - args.metrics_skip,
+                seeds=args.seeds,
+                **approximation_errors(histories),
+            )
 
 
 def accuracy_figures(runs: list[dict]) -> dict:
     """One method's accuracy line from its runs (one per seed, the flow's results): the final held-out accuracy
     averaged over the seeds (what the gap compares), the initial one, each seed's, and the mean staleness (each run's
     mean over its iterations, averaged over the runs)."""
-    return {"accuracy_mean": statistics.mean(r["eval_accuracy_final"] for r in runs),
-            "accuracy_initial_mean": statistics.mean(r["eval_accuracy_initial"] for r in runs),
-            "accuracies": [r["eval_accuracy_final"] for r in runs],
-            "staleness_mean": statistics.mean(statistics.mean(x["staleness/mean"] for x in r["history"])
-                                              for r in runs)}
+    return {
+        "accuracy_mean": statistics.mean(r["eval_accuracy_final"] for r in runs),
+        "accuracy_initial_mean": statistics.mean(r["eval_accuracy_initial"] for r in runs),
+        "accuracies": [r["eval_accuracy_final"] for r in runs],
+        "staleness_mean": statistics.mean(statistics.mean(x["staleness/mean"] for x in r["history"]) for r in runs),
+    }
 
 
 def accuracy_gap(loglinear: dict, recompute: dict) -> dict:
@@ -127,13 +182,20 @@ def approximation_errors(histories: list[list[dict]]) -> dict:
     h = [x for history in histories for x in history]
     mean = lambda key: statistics.mean(x[key] for x in h)  # noqa: E731
     ratio = lambda a, b: a / b if b > 0 else None  # noqa: E731  (JSON null: undefined, e.g. no_clip precision)
-    out = {"staleness_mean": mean("staleness/mean"), "clip_fraction": mean("clip/fraction"),
-           "reference_zeroed": mean("prox/loglinear/reference_zeroed_fraction")}
+    out = {
+        "staleness_mean": mean("staleness/mean"),
+        "clip_fraction": mean("clip/fraction"),
+        "reference_zeroed": mean("prox/loglinear/reference_zeroed_fraction"),
+    }
     for approx in ("loglinear", "linear", "no_clip"):
         p = f"prox/{approx}/"
         shared, zeroed = mean(p + "zeroed_shared_fraction"), mean(p + "zeroed_fraction")
-        out[approx] = {"grad_rel_err": ratio(mean(p + "grad_abs_err"), mean(p + "grad_abs")), "zeroed": zeroed,
-                       "recall": ratio(shared, out["reference_zeroed"]), "precision": ratio(shared, zeroed)}
+        out[approx] = {
+            "grad_rel_err": ratio(mean(p + "grad_abs_err"), mean(p + "grad_abs")),
+            "zeroed": zeroed,
+            "recall": ratio(shared, out["reference_zeroed"]),
+            "precision": ratio(shared, zeroed),
+        }
         if approx != "no_clip":
             out[approx] |= {"abs_err": mean(p + "abs_err"), "gap_ratio": mean(p + "gap_ratio")}
     return out
@@ -150,32 +212,60 @@ def timing(tmp: str, stamp: str, total: int, args) -> None:
         run_ids = []
         for i, prox in enumerate(abba(*METHODS, 2)):
             run_ids.append(f"a3po-s{S}-{prox}-{i}-{stamp}")
-            measured[prox] += run(tmp, run_ids[-1], {"pipeline.mode": "async", "pipeline.max_staleness": S,
-                                                     "algorithm.prox_logp": prox}, total)[args.warmup:]
-        med = {prox: {key: statistics.median(x[key] for x in h) for key in
-                      ("time/prox_s", "time/train_busy_s", "time/iteration_s", "staleness/mean",
-                       "staleness/max", "perf/samples_per_s", "is_weight/mean")} for prox, h in measured.items()}
+            measured[prox] += run(
+                tmp,
+                run_ids[-1],
+                {"pipeline.mode": "async", "pipeline.max_staleness": S, "algorithm.prox_logp": prox},
+                total,
+            )[args.warmup :]
+        med = {
+            prox: {
+                key: statistics.median(x[key] for x in h)
+                for key in (
+                    "time/prox_s",
+                    "time/train_busy_s",
+                    "time/iteration_s",
+                    "staleness/mean",
+                    "staleness/max",
+                    "perf/samples_per_s",
+                    "is_weight/mean",
+                )
+            }
+            for prox, h in measured.items()
+        }
         async_sps[S] = med["loglinear"]["perf/samples_per_s"]
         side = replayed_train_steps(f"{tmp}/lake", run_ids, args.warmup)
         speedup = side["train_step_speedup"]
-        emit(benchmark="a3po", max_staleness=S, iterations_measured=2 * args.iterations,
-             prox_s_loglinear=side["prox_s_loglinear"], prox_s_recompute=side["prox_s_recompute"],
-             train_step_s_loglinear=side["train_step_s_loglinear"],
-             train_step_s_recompute=side["train_step_s_recompute"],
-             train_step_speedup=speedup, batches_side_by_side=side["batches"],
-             train_step_speedup_quartiles=[side["speedup_q1"], side["speedup_q3"]],
-             train_step_speedup_in_flow=med["recompute"]["time/train_busy_s"] / med["loglinear"]["time/train_busy_s"],
-             train_step_s_in_flow_loglinear=med["loglinear"]["time/train_busy_s"],
-             train_step_s_in_flow_recompute=med["recompute"]["time/train_busy_s"],
-             prox_s_in_flow_loglinear=med["loglinear"]["time/prox_s"],
-             prox_s_in_flow_recompute=med["recompute"]["time/prox_s"],
-             iteration_speedup=med["recompute"]["time/iteration_s"] / med["loglinear"]["time/iteration_s"],
-             staleness_mean=med["loglinear"]["staleness/mean"], staleness_max=med["loglinear"]["staleness/max"],
-             is_weight_mean=med["loglinear"]["is_weight/mean"],
-             targets={"train_step_speedup>=1.25": speedup >= 1.25})
+        emit(
+            benchmark="a3po",
+            max_staleness=S,
+            iterations_measured=2 * args.iterations,
+            prox_s_loglinear=side["prox_s_loglinear"],
+            prox_s_recompute=side["prox_s_recompute"],
+            train_step_s_loglinear=side["train_step_s_loglinear"],
+            train_step_s_recompute=side["train_step_s_recompute"],
+            train_step_speedup=speedup,
+            batches_side_by_side=side["batches"],
+            train_step_speedup_quartiles=[side["speedup_q1"], side["speedup_q3"]],
+            train_step_speedup_in_flow=med["recompute"]["time/train_busy_s"] / med["loglinear"]["time/train_busy_s"],
+            train_step_s_in_flow_loglinear=med["loglinear"]["time/train_busy_s"],
+            train_step_s_in_flow_recompute=med["recompute"]["time/train_busy_s"],
+            prox_s_in_flow_loglinear=med["loglinear"]["time/prox_s"],
+            prox_s_in_flow_recompute=med["recompute"]["time/prox_s"],
+            iteration_speedup=med["recompute"]["time/iteration_s"] / med["loglinear"]["time/iteration_s"],
+            staleness_mean=med["loglinear"]["staleness/mean"],
+            staleness_max=med["loglinear"]["staleness/max"],
+            is_weight_mean=med["loglinear"]["is_weight/mean"],
+            targets={"train_step_speedup>=1.25": speedup >= 1.25},
+        )
     per = summarise("periodic", run(tmp, f"a3po-periodic-{stamp}", {"pipeline.mode": "periodic"}, total), args.warmup)
-    emit(benchmark="a3po", periodic_samples_per_s=per["samples_per_s"], async_samples_per_s_s2=async_sps[2],
-         async_samples_per_s_s8=async_sps[8], async_over_periodic_s8=async_sps[8] / per["samples_per_s"])
+    emit(
+        benchmark="a3po",
+        periodic_samples_per_s=per["samples_per_s"],
+        async_samples_per_s_s2=async_sps[2],
+        async_samples_per_s_s8=async_sps[8],
+        async_over_periodic_s8=async_sps[8] / per["samples_per_s"],
+    )
 
 
 def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict:
@@ -211,8 +301,12 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
             cfg.algorithm.prox_logp = prox
             model, tok = load_hf(checkpoints.local_copy(lake, lake.checkpoint_dir(run_ids[0], 0), cache))
             trainers[prox] = (cfg, build_trainer(cfg, model, tok, resolve_device(cfg.trainer.device)))
-    batches = [(run_id, record) for run_id in run_ids for record in ledger.read_all(lake, run_id)[warmup:]
-               if record["state"] == "promoted" and record["policy_version"] >= 2]
+    batches = [
+        (run_id, record)
+        for run_id in run_ids
+        for record in ledger.read_all(lake, run_id)[warmup:]
+        if record["state"] == "promoted" and record["policy_version"] >= 2
+    ]
     if not batches:
         raise ValueError(f"no promoted iteration at version >= 2 after {warmup} warm-up ones in {run_ids}")
     times: dict[str, list[float]] = {prox: [] for prox in METHODS}
@@ -250,9 +344,14 @@ def speedup_figures(ratios: list[float], times: dict[str, list[float]], prox_s: 
     """The side-by-side figures: the median over batches of the per-batch recompute / loglinear ratio with its
     quartiles (one batch: the ratio itself), and each method's median train-step and proximal time over its timings."""
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-    return {"train_step_speedup": statistics.median(ratios), "batches": len(ratios), "speedup_q1": q1, "speedup_q3": q3,
-            **{f"train_step_s_{prox}": statistics.median(times[prox]) for prox in METHODS},
-            **{f"prox_s_{prox}": statistics.median(prox_s[prox]) for prox in METHODS}}
+    return {
+        "train_step_speedup": statistics.median(ratios),
+        "batches": len(ratios),
+        "speedup_q1": q1,
+        "speedup_q3": q3,
+        **{f"train_step_s_{prox}": statistics.median(times[prox]) for prox in METHODS},
+        **{f"prox_s_{prox}": statistics.median(prox_s[prox]) for prox in METHODS},
+    }
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ MAX_ITERATIONS = 100_000  # configs.schema RunSection.iterations' bound
 
 def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """An argument parser whose --help is the module docstring: what the benchmark measures and prints."""
-    return argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        prog=f"python -m {prog}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def check_range(ap: argparse.ArgumentParser, flag: str, value: int, lo: int, hi: int | None = None) -> None:
@@ -91,9 +92,11 @@ def demo_model_and_groups(n_groups: int = 4, group_size: int = 8, seed: int = 0)
     cfg = Config()
     tok = build_char_tokenizer()
     m = cfg.model.tiny
-    model = build_tiny_model(len(tok), arch=m.arch, hidden_size=m.hidden_size, num_layers=m.num_layers,
-                             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                             intermediate_size=m.intermediate_size, seed=seed)
+    model = build_tiny_model(
+        len(tok),
+        **m.model_dump(),  # the fields of model.tiny are build_tiny_model's own
+        seed=seed,
+    )
     train, _ = arithmetic.build_splits(cfg.task.max_operand, tuple(cfg.task.ops), cfg.task.n_eval)
     prompts = arithmetic.make_prompts(train[:n_groups], train, cfg.task.n_shots, seed)
     ids = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]

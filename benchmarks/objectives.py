@@ -40,9 +40,15 @@ def main() -> None:
 
     loglinear_s = median_time(loglinear, repeats=51, warmup=5)
     forward_s = median_time(forward, repeats=11, warmup=2)
-    emit(benchmark="objectives", samples=S, tokens_packed=packed.num_tokens, loglinear_s=loglinear_s,
-         recompute_forward_s=forward_s, loglinear_over_forward=loglinear_s / forward_s,
-         target_met=loglinear_s < 0.01 * forward_s)
+    emit(
+        benchmark="objectives",
+        samples=S,
+        tokens_packed=packed.num_tokens,
+        loglinear_s=loglinear_s,
+        recompute_forward_s=forward_s,
+        loglinear_over_forward=loglinear_s / forward_s,
+        target_met=loglinear_s < 0.01 * forward_s,
+    )
 
 
 if __name__ == "__main__":

@@ -51,11 +51,19 @@ def summarise(mode: str, history: list[dict], warmup: int, **extra) -> dict:
     when `warmup` is 0)."""
     h = history[warmup:]
     med = lambda key: statistics.median(x[key] for x in h)  # noqa: E731
-    return {"mode": mode, "iterations_measured": len(h), "iteration_s": med("time/iteration_s"),
-            "rollout_busy_s": med("time/rollout_busy_s"), "train_busy_s": med("time/train_busy_s"),
-            "first_shard_s": med("time/first_shard_s"), "sync_s": med("time/sync_s"),
-            "overhead_fraction": med("perf/overhead_fraction"), "overlap_fraction": med("perf/overlap_fraction"),
-            "samples_per_s": med("perf/samples_per_s"), **extra}
+    return {
+        "mode": mode,
+        "iterations_measured": len(h),
+        "iteration_s": med("time/iteration_s"),
+        "rollout_busy_s": med("time/rollout_busy_s"),
+        "train_busy_s": med("time/train_busy_s"),
+        "first_shard_s": med("time/first_shard_s"),
+        "sync_s": med("time/sync_s"),
+        "overhead_fraction": med("perf/overhead_fraction"),
+        "overlap_fraction": med("perf/overlap_fraction"),
+        "samples_per_s": med("perf/samples_per_s"),
+        **extra,
+    }
 
 
 def comparison(sync: dict, per: dict) -> dict:
@@ -64,9 +72,16 @@ def comparison(sync: dict, per: dict) -> dict:
     with the issue's targets."""
     bound = max(per["rollout_busy_s"], per["train_busy_s"]) + per["first_shard_s"] + per["sync_s"]
     over_sync, over_bound = per["iteration_s"] / sync["iteration_s"], per["iteration_s"] / bound
-    return {"periodic_over_sync": over_sync, "periodic_over_bound": over_bound, "bound_s": bound,
-            "targets": {"periodic_over_sync<=0.7": over_sync <= 0.7, "periodic_over_bound<=1.15": over_bound <= 1.15,
-                        "overhead_fraction<=0.05": per["overhead_fraction"] <= 0.05}}
+    return {
+        "periodic_over_sync": over_sync,
+        "periodic_over_bound": over_bound,
+        "bound_s": bound,
+        "targets": {
+            "periodic_over_sync<=0.7": over_sync <= 0.7,
+            "periodic_over_bound<=1.15": over_bound <= 1.15,
+            "overhead_fraction<=0.05": per["overhead_fraction"] <= 0.05,
+        },
+    }
 
 
 def main() -> None:
@@ -74,10 +89,12 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=8, help="measured iterations per run, after the warm-up ones")
     ap.add_argument("--warmup", type=int, default=2, help="iterations run first and left out of the figures")
     ap.add_argument("--repeats", type=int, default=2, help="runs per mode (ABBA order)")
-    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one); reusing one reuses the "
-                    "cached bootstrap")
-    ap.add_argument("--skip-extras", action="store_true", help="only sync vs periodic: no shared-prompt on/off, no "
-                    "1 vs 2 workers")
+    ap.add_argument(
+        "--dir", default=None, help="work directory (default: a temporary one); reusing one reuses the cached bootstrap"
+    )
+    ap.add_argument(
+        "--skip-extras", action="store_true", help="only sync vs periodic: no shared-prompt on/off, no 1 vs 2 workers"
+    )
     args = ap.parse_args()
     check_range(ap, "--warmup", args.warmup, 0, MAX_ITERATIONS - 1)
     check_range(ap, "--iterations", args.iterations, 1, MAX_ITERATIONS - args.warmup)  # a run is both
@@ -87,19 +104,24 @@ def main() -> None:
     total = args.iterations + args.warmup
     stamp = time.strftime("%Y%m%d%H%M%S")  # run ids stay unique in a reused directory
     half = max(1, cores // 2)
-    modes = {"sync": {"pipeline.mode": "sync", "resources.rollout_threads": cores, "resources.train_threads": cores},
-             "periodic": {"pipeline.mode": "periodic", "resources.rollout_threads": half,
-                          "resources.train_threads": cores - half}}
+    modes = {
+        "sync": {"pipeline.mode": "sync", "resources.rollout_threads": cores, "resources.train_threads": cores},
+        "periodic": {
+            "pipeline.mode": "periodic",
+            "resources.rollout_threads": half,
+            "resources.train_threads": cores - half,
+        },
+    }
     order = abba("sync", "periodic", args.repeats)
     with work_dir(args.dir) as tmp:
         measured: dict[str, list[dict]] = {"sync": [], "periodic": []}
         for i, mode in enumerate(order):
-            measured[mode] += run(tmp, f"bench-{mode}-{i}-{stamp}", modes[mode], total)[args.warmup:]
-        sync = summarise("sync", measured["sync"], 0, rollout_threads=cores, train_threads=cores,
-                         repeats=args.repeats)
+            measured[mode] += run(tmp, f"bench-{mode}-{i}-{stamp}", modes[mode], total)[args.warmup :]
+        sync = summarise("sync", measured["sync"], 0, rollout_threads=cores, train_threads=cores, repeats=args.repeats)
         emit(benchmark="pipeline", **sync)
-        per = summarise("periodic", measured["periodic"], 0, rollout_threads=half, train_threads=cores - half,
-                        repeats=args.repeats)
+        per = summarise(
+            "periodic", measured["periodic"], 0, rollout_threads=half, train_threads=cores - half, repeats=args.repeats
+        )
         emit(benchmark="pipeline", **per)
         emit(benchmark="pipeline", **comparison(sync, per))
         if args.skip_extras:
@@ -107,16 +129,33 @@ def main() -> None:
         # the demo's train step with and without shared-prompt packing (periodic, demo resources)
         for shared in (False, True):
             h = run(tmp, f"bench-shared-{shared}-{stamp}", {"train.shared_prompt": shared}, total)
-            emit(benchmark="pipeline", **summarise("periodic", h, args.warmup, shared_prompt=shared,
-                                                   train_tokens_per_s=statistics.median(
-                                                       x["perf/train_tokens_per_s"] for x in h[args.warmup:])))
+            emit(
+                benchmark="pipeline",
+                **summarise(
+                    "periodic",
+                    h,
+                    args.warmup,
+                    shared_prompt=shared,
+                    train_tokens_per_s=statistics.median(x["perf/train_tokens_per_s"] for x in h[args.warmup :]),
+                ),
+            )
         # 1 vs 2 rollout workers at the same total rollout thread count (sync mode isolates generation)
         for workers in (1, 2):
-            h = run(tmp, f"bench-w{workers}-{stamp}", {"pipeline.mode": "sync", "resources.rollout_workers": workers,
-                                               "resources.rollout_threads": max(1, cores // workers),
-                                               "resources.train_threads": cores}, total)
-            emit(benchmark="pipeline", **summarise("sync", h, args.warmup, rollout_workers=workers,
-                                                   rollout_threads=max(1, cores // workers)))
+            h = run(
+                tmp,
+                f"bench-w{workers}-{stamp}",
+                {
+                    "pipeline.mode": "sync",
+                    "resources.rollout_workers": workers,
+                    "resources.rollout_threads": max(1, cores // workers),
+                    "resources.train_threads": cores,
+                },
+                total,
+            )
+            emit(
+                benchmark="pipeline",
+                **summarise("sync", h, args.warmup, rollout_workers=workers, rollout_threads=max(1, cores // workers)),
+            )
 
 
 if __name__ == "__main__":

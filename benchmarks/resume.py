@@ -30,8 +30,14 @@ KILLED_AT = 2  # the iteration whose rollouts the failpoint below interrupts (it
 
 
 def _cli(args, env):
-    p = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         return p.wait()
     finally:
@@ -48,8 +54,12 @@ def _exit_on_signal(signum, frame):
 
 def main() -> None:
     ap = parser("benchmarks.resume", __doc__)
-    ap.add_argument("--iterations", type=int, default=6, help=f"iterations of the run (the kill comes in iteration "
-                    f"{KILLED_AT}; more give a steadier iteration_s)")
+    ap.add_argument(
+        "--iterations",
+        type=int,
+        default=6,
+        help=f"iterations of the run (the kill comes in iteration {KILLED_AT}; more give a steadier iteration_s)",
+    )
     args = ap.parse_args()
     check_range(ap, "--iterations", args.iterations, KILLED_AT + 1, MAX_ITERATIONS)
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -75,8 +85,7 @@ def main() -> None:
 
         client = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
         (run,) = client.search_runs([client.get_experiment_by_name(cfg["run"]["name"]).experiment_id])
-        iteration_s = statistics.median(m.value for m in client.get_metric_history(run.info.run_id,
-                                                                                    "time/iteration_s"))
+        iteration_s = statistics.median(m.value for m in client.get_metric_history(run.info.run_id, "time/iteration_s"))
         emit(benchmark="resume", **resume_figures(resume_s, iteration_s, args.iterations - KILLED_AT))
 
 
@@ -84,8 +93,13 @@ def resume_figures(resume_s: float, iteration_s: float, left: int) -> dict:
     """What the resume cost beyond the `left` iterations it still had to run: its wall time less that many
     uninterrupted iterations, and that setup time in iterations."""
     setup = resume_s - left * iteration_s
-    return {"iteration_s": iteration_s, "resume_s": resume_s, "iterations_after_resume": left, "resume_setup_s": setup,
-            "resume_setup_over_iteration": setup / iteration_s}
+    return {
+        "iteration_s": iteration_s,
+        "resume_s": resume_s,
+        "iterations_after_resume": left,
+        "resume_setup_s": setup,
+        "resume_setup_over_iteration": setup / iteration_s,
+    }
 
 
 if __name__ == "__main__":

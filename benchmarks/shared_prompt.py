@@ -57,12 +57,7 @@ def _setup(P: int, R: int, G: int, threads: int):
     m = Config().model.tiny
     model = build_tiny_model(
         len(tok),
-        arch=m.arch,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        intermediate_size=m.intermediate_size,
+        **m.model_dump(),  # the fields of model.tiny are build_tiny_model's own
         max_positions=MAX_POSITIONS,
         seed=0,
     )

@@ -45,28 +45,48 @@ class _Section(BaseModel):
                     pass
             return value
         # a section whose every field is commented out reads as null in YAML: it means the defaults
-        if value is None and NoneType not in types and any(isinstance(t, type) and issubclass(t, _Section)
-                                                           for t in types):
+        if (
+            value is None
+            and NoneType not in types
+            and any(isinstance(t, type) and issubclass(t, _Section) for t in types)
+        ):
             return {}
         return value
 
 
 class RunSection(_Section):
-    name: str = Field("lockstep", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-                      description="Experiment name: the MLflow experiment and the prefix of generated run ids.")
-    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
-                               description="Run id; default `{name}-{UTC timestamp}`. Letters, digits, . _ - only.")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="Run seed: model init, shots, and every sample's seed "
-                      "derive from it (at most 2**32 - 1: numpy's seed range, which vLLM seeds).")
+    name: str = Field(
+        "lockstep",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Experiment name: the MLflow experiment and the prefix of generated run ids.",
+    )
+    run_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="Run id; default `{name}-{UTC timestamp}`. Letters, digits, . _ - only.",
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**32 - 1,
+        description="Run seed: model init, shots, and every sample's seed "
+        "derive from it (at most 2**32 - 1: numpy's seed range, which vLLM seeds).",
+    )
     iterations: int = Field(40, ge=1, le=100_000, description="RL iterations (optimizer steps) to run.")
 
 
 class LakeSection(_Section):
     uri: str = Field("./lake", min_length=1, description="fsspec URL of the lake: a path, file://, s3://, memory://…")
     compression: Literal["zstd", "lz4"] | None = Field(None, description="Arrow IPC compression of shards.")
-    keep_optimizer_state: int = Field(2, ge=0, description="Keep the optimizer state (2/3 of a checkpoint with "
+    keep_optimizer_state: int = Field(
+        2,
+        ge=0,
+        description="Keep the optimizer state (2/3 of a checkpoint with "
         "AdamW) of the newest N versions only; older versions keep weights, tokenizer and RNG state, enough for "
-        "export, replay and audit (0: keep every version's).")
+        "export, replay and audit (0: keep every version's).",
+    )
 
 
 class TinyModelSection(_Section):
@@ -80,18 +100,26 @@ class TinyModelSection(_Section):
     @model_validator(mode="after")
     def _heads(self):
         if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
-            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}), and "
-                             f"num_heads must divide hidden_size ({self.hidden_size})")
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}), and "
+                f"num_heads must divide hidden_size ({self.hidden_size})"
+            )
         head_dim = self.hidden_size // self.num_heads
         if head_dim % 2:  # rotary embeddings rotate pairs of dimensions
-            raise ValueError(f"head_dim = hidden_size / num_heads = {self.hidden_size} / {self.num_heads} = "
-                             f"{head_dim} must be even (rotary embeddings); change hidden_size or num_heads")
+            raise ValueError(
+                f"head_dim = hidden_size / num_heads = {self.hidden_size} / {self.num_heads} = "
+                f"{head_dim} must be even (rotary embeddings); change hidden_size or num_heads"
+            )
         return self
 
 
 class ModelSection(_Section):
-    path: str | None = Field(None, min_length=1, description="A local Hugging Face directory or hub id loaded with "
-                             "from_pretrained; null builds the tiny model below with a character tokenizer.")
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description="A local Hugging Face directory or hub id loaded with "
+        "from_pretrained; null builds the tiny model below with a character tokenizer.",
+    )
     tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="The locally built model.")
 
 
@@ -102,8 +130,9 @@ class DatasetSection(_Section):
     eval_uri: str | None = Field(None, description="Held-out prompts; default: task.n_eval rows held out of `uri`.")
     eval_split: str = Field("test", min_length=1, description="Split of eval_uri, for Hugging Face datasets.")
     question_field: str = Field("question", min_length=1, description="Field holding the question.")
-    answer_field: str = Field("answer", min_length=1,
-                              description="Field holding the answer (GSM8K `... #### n` accepted).")
+    answer_field: str = Field(
+        "answer", min_length=1, description="Field holding the answer (GSM8K `... #### n` accepted)."
+    )
     template: str = Field("Question: {question}\nAnswer: ", description="Prompt text; `{question}` is replaced.")
     max_rows: int | None = Field(None, ge=1, description="Read at most this many usable rows.")
 
@@ -122,13 +151,20 @@ class DatasetSection(_Section):
 class TaskSection(_Section):
     kind: Literal["arithmetic", "dataset"] = Field("arithmetic", description="Synthetic arithmetic, or a dataset.")
     dataset: DatasetSection | None = Field(None, description="The prompt dataset, for kind: dataset.")
-    reward: Literal["arithmetic", "math_verify"] = Field("arithmetic", description="arithmetic: exact match plus "
-                                                         "partial credit; math_verify: symbolic equality (math-verify).")
+    reward: Literal["arithmetic", "math_verify"] = Field(
+        "arithmetic",
+        description="arithmetic: exact match plus partial credit; math_verify: symbolic equality (math-verify).",
+    )
     max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")
     n_shots: int = Field(8, ge=0, le=64, description="Solved examples in each prompt (makes prompts long).")
-    shot_sets: int = Field(1, ge=1, le=64, description="Few-shot contexts per training problem: each is a training "
-                           "prompt of its own, its shots drawn independently (held-out prompts keep one).")
+    shot_sets: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Few-shot contexts per training problem: each is a training "
+        "prompt of its own, its shots drawn independently (held-out prompts keep one).",
+    )
     n_eval: int = Field(200, ge=1, description="Held-out problems for eval/accuracy (greedy exact match).")
     partial_credit: float = Field(0.5, ge=0.0, lt=1.0, description="Reward weight of per-digit credit (0: exact only).")
     split_seed: int = Field(1234, ge=0, description="Seed of the train / held-out split (fixed across runs).")
@@ -136,17 +172,24 @@ class TaskSection(_Section):
 
 
 class DataSection(_Section):
-    on_bad_row: Literal["skip", "fail"] = Field("skip", description="A malformed dataset row (missing field, empty "
-                                                "prompt, invalid UTF-8, too long) is skipped and counted, or fails.")
+    on_bad_row: Literal["skip", "fail"] = Field(
+        "skip",
+        description="A malformed dataset row (missing field, empty "
+        "prompt, invalid UTF-8, too long) is skipped and counted, or fails.",
+    )
 
 
 class BootstrapSection(_Section):
     steps: int = Field(250, ge=0, le=1_000_000, description="SFT steps that make v0 (0: start from the model as is).")
     batch_size: int = Field(32, ge=1, description="SFT sequences per step.")
     lr: float = Field(3e-3, gt=0, le=1.0, description="SFT learning rate (peak).")
-    target_accuracy: float | None = Field(None, gt=0.0, le=1.0,
-                                          description="Stop SFT early once greedy accuracy on `check_prompts` training "
-                                                      "prompts reaches this (null: run all steps).")
+    target_accuracy: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Stop SFT early once greedy accuracy on `check_prompts` training "
+        "prompts reaches this (null: run all steps).",
+    )
     check_prompts: int = Field(100, ge=1, description="Training prompts used for the target-accuracy check.")
     check_every: int = Field(25, ge=1, description="SFT steps between target-accuracy checks.")
 
@@ -157,41 +200,59 @@ class RolloutSection(_Section):
     max_new_tokens: int = Field(6, ge=1, le=32768, description="Response length limit.")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature (the loss uses the same).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    engine: Literal["builtin", "vllm"] = Field("builtin", description="Generation engine: builtin (torch, any "
-                                               "device) or vllm (CUDA; Ascend with vllm-ascend).")
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin", description="Generation engine: builtin (torch, any device) or vllm (CUDA; Ascend with vllm-ascend)."
+    )
     vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="vllm: weight dtype.")
-    vllm_gpu_memory_utilization: float = Field(0.5, gt=0.0, le=0.95, description="vllm: fraction of device memory "
-                                               "vLLM may take (the trainer shares the device when colocated).")
+    vllm_gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0.0,
+        le=0.95,
+        description="vllm: fraction of device memory vLLM may take (the trainer shares the device when colocated).",
+    )
     vllm_max_model_len: int | None = Field(None, ge=16, description="vllm: context length (null: the model's).")
-    interrupt_on_update: bool = Field(False, description="async: a weight update interrupts in-flight samples, "
-                                      "which continue on the new weights (per-token versions recorded); false: "
-                                      "in-flight samples finish on the weights they started with.")
+    interrupt_on_update: bool = Field(
+        False,
+        description="async: a weight update interrupts in-flight samples, "
+        "which continue on the new weights (per-token versions recorded); false: "
+        "in-flight samples finish on the weights they started with.",
+    )
 
 
 class AlgorithmSection(_Section):
     advantage: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="Group advantage estimator.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How per-token losses are reduced (see models/OBJECTIVES.md).")
+        "token-mean", description="How per-token losses are reduced (see models/OBJECTIVES.md)."
+    )
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ε below 1.")
     clip_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO ε above 1 (DAPO clip-higher when > clip_low).")
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c for negative advantages.")
-    ppo_mini_batches: int = Field(1, ge=1, description="Optimizer steps per batch (PPO mini-batches): the batch's "
-                                  "groups, in plan order, are cut into this many equal parts, one step each. The "
-                                  "first part is trained exactly on-policy; later parts are clipped against the "
-                                  "rollout's behaviour log-probs. Weights still reach the workers once per batch.")
+    ppo_mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per batch (PPO mini-batches): the batch's "
+        "groups, in plan order, are cut into this many equal parts, one step each. The "
+        "first part is trained exactly on-policy; later parts are clipped against the "
+        "rollout's behaviour log-probs. Weights still reach the workers once per batch.",
+    )
     kl_coef: float = Field(0.0, ge=0.0, description="KL-to-reference coefficient in the loss (0: no reference pass).")
     kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     prox_logp: Literal["recompute", "loglinear", "linear", "metrics"] = Field(
-        "loglinear", description="async (decoupled PPO): proximal log-probs (the policy one version behind the "
+        "loglinear",
+        description="async (decoupled PPO): proximal log-probs (the policy one version behind the "
         "trainer, never older than a token's own) by an extra forward pass of those weights (recompute), "
         "A-3PO interpolation (loglinear), probability-space interpolation (linear), or recompute while logging "
-        "both approximations' errors (metrics).")
-    is_cap: float | None = Field(5.0, gt=0.0, description="async: cap of the importance weight pi_prox/pi_b "
-                                 "(null: no cap).")
-    is_mode: Literal["cap", "mask"] = Field("cap", description="async: truncate weights above is_cap, or mask "
-                                            "those tokens out.")
-    is_level: Literal["token", "sequence", "geometric"] = Field("token", description="async: importance weight "
-                                                                "per token, per sequence, or geometric mean.")
+        "both approximations' errors (metrics).",
+    )
+    is_cap: float | None = Field(
+        5.0, gt=0.0, description="async: cap of the importance weight pi_prox/pi_b (null: no cap)."
+    )
+    is_mode: Literal["cap", "mask"] = Field(
+        "cap", description="async: truncate weights above is_cap, or mask those tokens out."
+    )
+    is_level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="async: importance weight per token, per sequence, or geometric mean."
+    )
 
 
 class TrainerSection(_Section):
@@ -200,10 +261,17 @@ class TrainerSection(_Section):
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW β1.")
     beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW β2.")
     grad_clip: float | None = Field(1.0, gt=0.0, description="Max gradient norm (null: no clipping).")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning rate over the "
-        "run's batches: constant, or a decay from `lr` to `lr x min_lr_ratio` at the last iteration.")
-    warmup_steps: int = Field(0, ge=0, description="Batches of linear warm-up from ~0 to `lr` (before any decay; a "
-        "run shorter than this stays in warm-up, so a shortened demo config still runs).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="Learning rate over the "
+        "run's batches: constant, or a decay from `lr` to `lr x min_lr_ratio` at the last iteration.",
+    )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Batches of linear warm-up from ~0 to `lr` (before any decay; a "
+        "run shorter than this stays in warm-up, so a shortened demo config still runs).",
+    )
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final learning rate / `lr` of a decay schedule.")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Training device.")
 
@@ -212,18 +280,23 @@ class TrainSection(_Section):
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one packed micro-batch.")
     shared_prompt: bool = Field(True, description="Pack [prompt, r1..rG] once per group (False: one row per sample).")
     attention: Literal["auto", "sdpa", "eager", "flex_attention"] = Field(
-        "auto", description="Trainer attention kernel. auto: FlexAttention block masks on CUDA where torch has them "
-        "(responses' blocks that see no other response are skipped), SDPA with a dense boolean mask otherwise.")
+        "auto",
+        description="Trainer attention kernel. auto: FlexAttention block masks on CUDA where torch has them "
+        "(responses' blocks that see no other response are skipped), SDPA with a dense boolean mask otherwise.",
+    )
 
 
 class PipelineSection(_Section):
     mode: Literal["sync", "periodic", "async"] = Field("periodic", description="sync | periodic | async (DESIGN.md).")
     shard_groups: int = Field(4, ge=1, description="Groups per published shard (and per generation batch).")
     max_staleness: int = Field(0, ge=0, description="async: max versions a trained token may lag the trainer.")
-    push_weights: bool = Field(True, description="sync / periodic with the builtin engine: each new version reaches "
-                               "the rollout workers through shared memory and its checkpoint is written and "
-                               "promoted beside the next iteration, off the critical path (false: workers load "
-                               "every version from its promoted checkpoint, written first).")
+    push_weights: bool = Field(
+        True,
+        description="sync / periodic with the builtin engine: each new version reaches "
+        "the rollout workers through shared memory and its checkpoint is written and "
+        "promoted beside the next iteration, off the critical path (false: workers load "
+        "every version from its promoted checkpoint, written first).",
+    )
     catalog: bool = Field(True, description="Index every trained sample and shard in the run's LanceDB catalog.")
     catalog_compact_every: int = Field(10, ge=0, description="Compact the catalog every N versions (0: never).")
 
@@ -232,15 +305,23 @@ class ResourcesSection(_Section):
     rollout_workers: int = Field(1, ge=1, le=256, description="Long-lived rollout worker processes.")
     rollout_threads: int = Field(1, ge=1, le=512, description="Torch threads per rollout worker.")
     train_threads: int = Field(1, ge=1, le=512, description="Torch threads of the trainer.")
-    borrow_rollout_threads: bool = Field(False, description="sync / periodic: once every rollout of the iteration "
+    borrow_rollout_threads: bool = Field(
+        False,
+        description="sync / periodic: once every rollout of the iteration "
         "is published, the workers idle until the next promotion, so the trainer finishes the batch (and the "
         "checkpoint save, and evaluation) with train_threads + rollout_workers x rollout_threads torch threads, at "
         "most the CPU count; back to train_threads when the next iteration's training starts. Never in async mode, "
         "whose workers do not idle. Only for a run that has the machine to itself: beside other runs the borrowed "
-        "threads oversubscribe the cores (three demo runs at once went from ~3 s to 7-10 s per iteration).")
-    api_server_nice: int = Field(10, ge=0, le=19, description="Niceness given to the ephemeral Prefect API server "
+        "threads oversubscribe the cores (three demo runs at once went from ~3 s to 7-10 s per iteration).",
+    )
+    api_server_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Niceness given to the ephemeral Prefect API server "
         "this run starts, so that rollout and training threads come first on a machine with few cores (its event "
-        "recording lags instead); 0: leave it. A server you run yourself (PREFECT_API_URL) is never touched.")
+        "recording lags instead); 0: leave it. A server you run yourself (PREFECT_API_URL) is never touched.",
+    )
 
 
 class EvalSection(_Section):
@@ -252,7 +333,9 @@ class TrackingSection(_Section):
     uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (SQLite file by default).")
     experiment: str | None = Field(None, min_length=1, description="MLflow experiment; default: run.name.")
     enabled: bool = Field(True, description="Log to MLflow.")
-    prefect_artifacts: bool = Field(True, description="A Prefect markdown artifact per iteration (reward, worst samples).")
+    prefect_artifacts: bool = Field(
+        True, description="A Prefect markdown artifact per iteration (reward, worst samples)."
+    )
 
 
 class Config(_Section):
@@ -278,49 +361,69 @@ class Config(_Section):
         if self.pipeline.mode != "async" and self.pipeline.max_staleness != 0:
             raise ValueError("pipeline.max_staleness applies to mode 'async' only; set it to 0 or use mode: async")
         if self.rollout.interrupt_on_update and self.pipeline.mode != "async":
-            raise ValueError("rollout.interrupt_on_update applies to mode 'async' only (in sync and periodic modes "
-                             "weights never change during generation); set it to false or use mode: async")
+            raise ValueError(
+                "rollout.interrupt_on_update applies to mode 'async' only (in sync and periodic modes "
+                "weights never change during generation); set it to false or use mode: async"
+            )
         if self.task.kind == "dataset" and self.task.dataset is None:
             raise ValueError("task.kind 'dataset' needs a task.dataset section with at least `uri`")
         if self.task.kind == "arithmetic" and self.task.dataset is not None:
-            raise ValueError("task.dataset is set but task.kind is 'arithmetic', which would ignore it: set "
-                             "task.kind: dataset, or remove the task.dataset section")
+            raise ValueError(
+                "task.dataset is set but task.kind is 'arithmetic', which would ignore it: set "
+                "task.kind: dataset, or remove the task.dataset section"
+            )
         if len(set(self.task.ops)) < len(self.task.ops):  # a problem listed twice could be both trained and held out
             raise ValueError(f"task.ops {self.task.ops} lists an operator twice: give each once")
         if self.rollout.engine == "vllm" and self.trainer.device == "cpu":
-            raise ValueError("rollout.engine 'vllm' generates on a GPU (CUDA, or Ascend with vllm-ascend) while "
-                             "trainer.device is 'cpu': use rollout.engine builtin, or trainer.device auto / cuda / npu")
+            raise ValueError(
+                "rollout.engine 'vllm' generates on a GPU (CUDA, or Ascend with vllm-ascend) while "
+                "trainer.device is 'cpu': use rollout.engine builtin, or trainer.device auto / cuda / npu"
+            )
         t = self.task
         if t.kind == "arithmetic":  # the split of models/arithmetic.build_splits, known before any work
             n_problems = len(t.ops) * (t.max_operand + 1) ** 2
             if t.n_eval >= n_problems:
-                raise ValueError(f"task.n_eval={t.n_eval} leaves no training problems out of {n_problems} "
-                                 f"({len(t.ops)} ops x (max_operand {t.max_operand} + 1)^2): lower n_eval or raise "
-                                 "max_operand")
+                raise ValueError(
+                    f"task.n_eval={t.n_eval} leaves no training problems out of {n_problems} "
+                    f"({len(t.ops)} ops x (max_operand {t.max_operand} + 1)^2): lower n_eval or raise "
+                    "max_operand"
+                )
             n_train = (n_problems - t.n_eval) * t.shot_sets  # tasks/session.iteration_prompt_ids refuses more
             if self.rollout.prompts_per_iteration > n_train:
-                raise ValueError(f"rollout.prompts_per_iteration={self.rollout.prompts_per_iteration} exceeds the "
-                                 f"{n_train} training prompts ({n_problems} problems - task.n_eval {t.n_eval}, x "
-                                 f"task.shot_sets {t.shot_sets}): lower it, or raise task.max_operand or shot_sets")
+                raise ValueError(
+                    f"rollout.prompts_per_iteration={self.rollout.prompts_per_iteration} exceeds the "
+                    f"{n_train} training prompts ({n_problems} problems - task.n_eval {t.n_eval}, x "
+                    f"task.shot_sets {t.shot_sets}): lower it, or raise task.max_operand or shot_sets"
+                )
         if self.task.shot_sets > 1 and (self.task.kind != "arithmetic" or self.task.n_shots == 0):
-            raise ValueError(f"task.shot_sets={self.task.shot_sets} draws other shots for each synthetic arithmetic "
-                             f"prompt: it needs task.kind 'arithmetic' and task.n_shots > 0 (here "
-                             f"{self.task.kind!r}, {self.task.n_shots}); set shot_sets to 1")
+            raise ValueError(
+                f"task.shot_sets={self.task.shot_sets} draws other shots for each synthetic arithmetic "
+                f"prompt: it needs task.kind 'arithmetic' and task.n_shots > 0 (here "
+                f"{self.task.kind!r}, {self.task.n_shots}); set shot_sets to 1"
+            )
         if self.rollout.engine == "vllm" and self.rollout.interrupt_on_update:
-            raise ValueError("rollout.interrupt_on_update needs rollout.engine 'builtin': vLLM's offline API cannot "
-                             "pause a request to swap weights; set interrupt_on_update to false")
+            raise ValueError(
+                "rollout.interrupt_on_update needs rollout.engine 'builtin': vLLM's offline API cannot "
+                "pause a request to swap weights; set interrupt_on_update to false"
+            )
         m = self.algorithm.ppo_mini_batches
         if m > 1:
             if self.rollout.prompts_per_iteration % m:
-                raise ValueError(f"algorithm.ppo_mini_batches={m} must divide rollout.prompts_per_iteration="
-                                 f"{self.rollout.prompts_per_iteration} (equal mini-batches of whole groups)")
+                raise ValueError(
+                    f"algorithm.ppo_mini_batches={m} must divide rollout.prompts_per_iteration="
+                    f"{self.rollout.prompts_per_iteration} (equal mini-batches of whole groups)"
+                )
             if self.pipeline.mode == "async":
-                raise ValueError("algorithm.ppo_mini_batches > 1 applies to modes sync and periodic; async mode's "
-                                 "decoupled loss takes its old policy from prox_logp: set ppo_mini_batches to 1")
+                raise ValueError(
+                    "algorithm.ppo_mini_batches > 1 applies to modes sync and periodic; async mode's "
+                    "decoupled loss takes its old policy from prox_logp: set ppo_mini_batches to 1"
+                )
             if self.rollout.top_p < 1.0:
-                raise ValueError("algorithm.ppo_mini_batches > 1 clips later mini-batches against the behaviour "
-                                 "log-probs, which are the policy's only without nucleus truncation: set "
-                                 "rollout.top_p to 1.0 or ppo_mini_batches to 1")
+                raise ValueError(
+                    "algorithm.ppo_mini_batches > 1 clips later mini-batches against the behaviour "
+                    "log-probs, which are the policy's only without nucleus truncation: set "
+                    "rollout.top_p to 1.0 or ppo_mini_batches to 1"
+                )
         return self
 
 
@@ -413,15 +516,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, sou
     if path is not None:
         p = Path(path)
         if p.is_dir():
-            raise ConfigError(f"config file {source} is a directory, not a file (give a YAML file, e.g. "
-                              "configs/arith-tiny.yaml)")
+            raise ConfigError(
+                f"config file {source} is a directory, not a file (give a YAML file, e.g. configs/arith-tiny.yaml)"
+            )
         if not p.is_file():
             raise ConfigError(f"config file {source} does not exist (give a YAML file, e.g. configs/arith-tiny.yaml)")
         try:
             data = yaml.load(p.read_text(encoding="utf-8"), Loader=_Loader) or {}
         except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {source} is not UTF-8 text (byte {e.start}: {e.reason}); save it as "
-                              "UTF-8 YAML") from None
+            raise ConfigError(
+                f"config file {source} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8 YAML"
+            ) from None
         except OSError as e:
             raise ConfigError(f"config file {source} cannot be read: {e.strerror or e}") from None
         except _DuplicateKey as e:
@@ -429,8 +534,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, sou
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {source} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {source}: the top level must be a mapping of sections, "
-                              f"got {type(data).__name__}")
+            raise ConfigError(
+                f"config file {source}: the top level must be a mapping of sections, got {type(data).__name__}"
+            )
     for key, value in parse_overrides(overrides or []):
         _set_path(data, key, value, f"{key}={value}")
     try:

@@ -72,9 +72,17 @@ class _Progress:
 
         self.console = console
         self.live = console.is_terminal
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
-                                 TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                                 console=console, transient=False, disable=not self.live)
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+            transient=False,
+            disable=not self.live,
+        )
         self.boot = self.iters = None
         self.accuracy = float("nan")
         self.total = 0
@@ -106,13 +114,17 @@ class _Progress:
         elif kind == "iteration":
             self.accuracy = e.get("eval/accuracy", self.accuracy)
             k = e["iteration"] + 1
-            info = (f"reward {e['reward/mean']:.3f} acc {self.accuracy:.3f} gen {e['perf/gen_tokens_per_s']:.0f} tok/s "
-                    f"train {e['perf/train_tokens_per_s']:.0f} tok/s")
+            info = (
+                f"reward {e['reward/mean']:.3f} acc {self.accuracy:.3f} gen {e['perf/gen_tokens_per_s']:.0f} tok/s "
+                f"train {e['perf/train_tokens_per_s']:.0f} tok/s"
+            )
             self.progress.update(self.iters, completed=k, info=info)
             if k % max(1, self.total // 20) == 0 or "eval/accuracy" in e or k == self.total:
                 per_iter = (time.perf_counter() - self.t_start) / max(1, k - self.first)
-                self._line(f"iteration {k}/{self.total} {info} {e['time/iteration_s']:.2f} s/it "
-                           f"eta {per_iter * (self.total - k):.0f} s")
+                self._line(
+                    f"iteration {k}/{self.total} {info} {e['time/iteration_s']:.2f} s/it "
+                    f"eta {per_iter * (self.total - k):.0f} s"
+                )
         elif kind == "done":
             self.progress.stop()
 
@@ -176,8 +188,10 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
         if run_id is None:  # stopped before the run was created: nothing to resume
             console.print("interrupted before the run started")
         else:
-            console.print(f"interrupted: run {run_id} keeps its promoted versions; continue it with "
-                          f"`lockstep resume {run_id} --lake {cfg.lake.uri}`")
+            console.print(
+                f"interrupted: run {run_id} keeps its promoted versions; continue it with "
+                f"`lockstep resume {run_id} --lake {cfg.lake.uri}`"
+            )
         return 130
     finally:
         progress.stop()
@@ -221,8 +235,10 @@ def _run_config_path(lake, run_id: str) -> str:
     """The frozen config of a run, which every run in a lake has from its start; FileNotFoundError if absent."""
     path = f"{lake.run_dir(run_id)}/config.json"  # run_dir validates the id (ValueError)
     if not lake.fs.exists(path):
-        raise FileNotFoundError(f"run {run_id} does not exist in lake {lake.uri} ({path} is missing); "
-                                f"`lockstep runs --lake {lake.uri}` lists its runs")
+        raise FileNotFoundError(
+            f"run {run_id} does not exist in lake {lake.uri} ({path} is missing); "
+            f"`lockstep runs --lake {lake.uri}` lists its runs"
+        )
     return path
 
 
@@ -254,8 +270,11 @@ def cmd_replay(args) -> int:
         return 2
     except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C or SIGTERM (Prefect's handler while the flow runs):
         # the source run is only read
-        kept = (f"; {args.to} keeps the versions replayed so far (replay refuses an existing target: choose another "
-                "--to)") if args.to else ""
+        kept = (
+            (f"; {args.to} keeps the versions replayed so far (replay refuses an existing target: choose another --to)")
+            if args.to
+            else ""
+        )
         print(f"interrupted: replay of {args.run_id} stopped{kept}", file=sys.stderr)
         return 130
     for r in rows:
@@ -276,7 +295,7 @@ def _unbalanced(sql: str) -> str | None:
         if quote:
             quote = None if c == quote else quote  # a doubled quote ('it''s') closes and reopens: same result
         elif sql.startswith(("--", "/*"), i):  # a comment could hide a parenthesis from this count
-            return f"comments ({sql[i:i + 2]} at character {i + 1}) are not accepted"
+            return f"comments ({sql[i : i + 2]} at character {i + 1}) are not accepted"
         elif c in "'\"`":
             quote = c
         elif c == "(":
@@ -322,8 +341,18 @@ def cmd_audit(args) -> int:
     where = [f"({args.where})"] if args.where else []
     if args.version is not None:
         where.append(f"policy_version = {int(args.version)}")
-    columns = ["sample_id", "policy_version", "iteration", "prompt_id", "sample_index", "reward", "advantage",
-               "finish_reason", "response_text", "worker"]
+    columns = [
+        "sample_id",
+        "policy_version",
+        "iteration",
+        "prompt_id",
+        "sample_index",
+        "reward",
+        "advantage",
+        "finish_reason",
+        "response_text",
+        "worker",
+    ]
     try:
         rows = catalog.query(uri, catalog.ROLLOUTS, " AND ".join(where) or None, args.limit, columns).to_pylist()
     except FileNotFoundError as e:
@@ -347,8 +376,12 @@ def cmd_audit(args) -> int:
             table.add_column(c)
         for r in rows:
             # Text: a response's "[b]" is shown as written, not read as rich markup
-            table.add_row(*(Text(f"{v:.3f}" if isinstance(v, float) else repr(v) if c == "response_text" else str(v))
-                            for c, v in r.items()))
+            table.add_row(
+                *(
+                    Text(f"{v:.3f}" if isinstance(v, float) else repr(v) if c == "response_text" else str(v))
+                    for c, v in r.items()
+                )
+            )
         _console().print(table)
     return 0
 
@@ -419,10 +452,13 @@ def cmd_export(args) -> int:
             raise FileNotFoundError(f"run {args.run_id} has no promoted version in {args.lake} yet")
         path = lake.checkpoint_dir(args.run_id, version)
         if not lake.fs.exists(path):
-            kept = sorted(int(p.rstrip("/").rsplit("/v", 1)[-1])
-                          for p in lake.fs.glob(f"{lake.run_dir(args.run_id)}/checkpoints/v[0-9]*"))
-            raise FileNotFoundError(f"run {args.run_id} has no checkpoint v{version}; it has "
-                                    f"{', '.join(f'v{v}' for v in kept) or 'none'}")
+            kept = sorted(
+                int(p.rstrip("/").rsplit("/v", 1)[-1])
+                for p in lake.fs.glob(f"{lake.run_dir(args.run_id)}/checkpoints/v[0-9]*")
+            )
+            raise FileNotFoundError(
+                f"run {args.run_id} has no checkpoint v{version}; it has {', '.join(f'v{v}' for v in kept) or 'none'}"
+            )
     except (FileNotFoundError, ValueError, checkpoints.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -459,8 +495,9 @@ def cmd_report(args) -> int:
         except (ValueError, ValidationError) as e:  # not JSON, or not a config
             raise ValueError(f"{config_path} is not a valid run config: {e}") from None
         if not cfg.tracking.enabled:
-            raise ValueError(f"run {args.run_id} was trained with tracking.enabled=false: it has no MLflow records "
-                             "to report")
+            raise ValueError(
+                f"run {args.run_id} was trained with tracking.enabled=false: it has no MLflow records to report"
+            )
         mlflow_id, metrics = run_metrics(cfg.tracking.uri, args.run_id)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -496,8 +533,11 @@ def cmd_serve(args) -> int:
         check_backend(cfg)  # first, as in train and open_session: a missing extra is the first thing to install
         check_inputs(cfg)
         if not PREFECT_API_URL.value():
-            print("error: lockstep serve needs a Prefect server: run `make services`, then "
-                  "export PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+            print(
+                "error: lockstep serve needs a Prefect server: run `make services`, then "
+                "export PREFECT_API_URL=http://127.0.0.1:4200/api",
+                file=sys.stderr,
+            )
             return 2
         check_prefect_api()
         check_tracking(cfg)  # last: it creates a SQLite store
@@ -511,11 +551,18 @@ def cmd_serve(args) -> int:
     config = os.path.abspath(args.config)
     print(f"serving deployment lockstep-train/{args.name} with {config}; trigger runs from the Prefect UI", flush=True)
     try:
-        train_flow.serve(name=args.name, parameters={"config_path": config, "overrides": args.override},
-                         cron=args.cron, print_starting_message=False)
+        train_flow.serve(
+            name=args.name,
+            parameters={"config_path": config, "overrides": args.override},
+            cron=args.cron,
+            print_starting_message=False,
+        )
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-        print(f"error: the Prefect API at PREFECT_API_URL={PREFECT_API_URL.value()} is unreachable ({e}); "
-              "start it with `make services`, or fix PREFECT_API_URL", file=sys.stderr)
+        print(
+            f"error: the Prefect API at PREFECT_API_URL={PREFECT_API_URL.value()} is unreachable ({e}); "
+            "start it with `make services`, or fix PREFECT_API_URL",
+            file=sys.stderr,
+        )
         return 2
     return 0
 
@@ -525,8 +572,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run an experiment from a YAML config")
     p.add_argument("config", help="YAML config, e.g. configs/arith-tiny.yaml")
-    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. -o trainer.lr=1e-5 (repeatable)")
+    p.add_argument(
+        "-o",
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. -o trainer.lr=1e-5 (repeatable)",
+    )
     p.set_defaults(func=cmd_train)
     r = sub.add_parser("resume", help="continue a failed or killed run where it stopped")
     r.add_argument("run_id")

@@ -57,25 +57,31 @@ def check_replayable(lake: Lake, run_id: str) -> None:
     """FileNotFoundError if run `run_id` has no promoted version yet (v0 comes out of its bootstrap: a replay started
     before it was a traceback from the model loader), CheckpointError if its v0 is incomplete."""
     if checkpoints.promoted_version(lake, run_id) is None:
-        raise FileNotFoundError(f"run {run_id} has no promoted version in {lake.uri} yet (v0 is promoted once its "
-                                "bootstrap ends): replay it after that")
+        raise FileNotFoundError(
+            f"run {run_id} has no promoted version in {lake.uri} yet (v0 is promoted once its "
+            "bootstrap ends): replay it after that"
+        )
     v0 = lake.checkpoint_dir(run_id, 0)
     if not lake.fs.exists(f"{v0}/MANIFEST.json"):  # removed or damaged by hand: the loader's traceback otherwise
-        raise checkpoints.CheckpointError(f"run {run_id}'s checkpoint v0 ({v0}) has no MANIFEST.json: replay starts "
-                                          "from v0 and cannot without it")
+        raise checkpoints.CheckpointError(
+            f"run {run_id}'s checkpoint v0 ({v0}) has no MANIFEST.json: replay starts from v0 and cannot without it"
+        )
 
 
 def _target_exists(lake: Lake, to_run_id: str) -> bool:
     """Whether run `to_run_id` has anything but the lease files of a command that gave up before writing its
     config."""
     run_dir = lake.run_dir(to_run_id)
-    return lake.fs.exists(run_dir) and any(p.rstrip("/").rsplit("/", 1)[-1] not in lease.FILES
-                                           for p in lake.fs.ls(run_dir, detail=False))
+    return lake.fs.exists(run_dir) and any(
+        p.rstrip("/").rsplit("/", 1)[-1] not in lease.FILES for p in lake.fs.ls(run_dir, detail=False)
+    )
 
 
 def _exists(lake: Lake, to_run_id: str) -> FileExistsError:
-    return FileExistsError(f"replay target run {to_run_id} already exists in {lake.uri}: replay writes a new run "
-                           "and never overwrites one; choose another --to")
+    return FileExistsError(
+        f"replay target run {to_run_id} already exists in {lake.uri}: replay writes a new run "
+        "and never overwrites one; choose another --to"
+    )
 
 
 def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]:
@@ -91,8 +97,9 @@ def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]
     if to_run_id:
         new_cfg = cfg.model_copy(deep=True)
         new_cfg.run.run_id = to_run_id
-        atomic_write_bytes(lake, to_run_id, f"{lake.run_dir(to_run_id)}/config.json",
-                           new_cfg.model_dump_json(indent=2).encode())
+        atomic_write_bytes(
+            lake, to_run_id, f"{lake.run_dir(to_run_id)}/config.json", new_cfg.model_dump_json(indent=2).encode()
+        )
         checkpoints.save_checkpoint(lake, to_run_id, 0, trainer.model, tokenizer, trainer.optimizer)
         checkpoints.promote(lake, to_run_id, 0)
     out = []
@@ -106,7 +113,8 @@ def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]
         diff = max(float((replayed[k].detach().cpu() - v).abs().max()) for k, v in original.items())
         out.append({"version": version, "max_abs_diff": diff})
         if to_run_id:
-            checkpoints.save_checkpoint(lake, to_run_id, version, trainer.model, tokenizer, trainer.optimizer,
-                                        {"replayed_from": run_id})
+            checkpoints.save_checkpoint(
+                lake, to_run_id, version, trainer.model, tokenizer, trainer.optimizer, {"replayed_from": run_id}
+            )
             checkpoints.promote(lake, to_run_id, version)
     return out

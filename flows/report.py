@@ -14,8 +14,13 @@ import os
 PANELS = {
     "reward and accuracy": ["reward/mean", "eval/accuracy"],
     "throughput": ["perf/samples_per_s", "perf/gen_tokens_per_s", "perf/train_tokens_per_s"],
-    "phase times (s)": ["time/iteration_s", "time/rollout_busy_s", "time/train_busy_s", "time/train_wait_s",
-                        "time/first_shard_s"],
+    "phase times (s)": [
+        "time/iteration_s",
+        "time/rollout_busy_s",
+        "time/train_busy_s",
+        "time/train_wait_s",
+        "time/first_shard_s",
+    ],
     "fractions": ["perf/overhead_fraction", "perf/overlap_fraction"],
 }
 
@@ -26,8 +31,10 @@ def run_metrics(tracking_uri: str, run_id: str) -> tuple[str, dict[str, list[tup
     if tracking_uri.startswith("sqlite:///"):  # MLflow would create an empty database there
         db = os.path.abspath(tracking_uri.removeprefix("sqlite:///"))
         if not os.path.isfile(db):
-            raise FileNotFoundError(f"no MLflow database at {db} (tracking.uri {tracking_uri!r}; a relative path is "
-                                    "read from the directory the command runs in: run it where the run was trained)")
+            raise FileNotFoundError(
+                f"no MLflow database at {db} (tracking.uri {tracking_uri!r}; a relative path is "
+                "read from the directory the command runs in: run it where the run was trained)"
+            )
     client = MlflowClient(tracking_uri=tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(experiments, filter_string=f"tags.`lockstep.run_id` = '{run_id}'", max_results=1)
@@ -72,11 +79,13 @@ def render(run_id: str, metrics: dict[str, list[tuple[int, float]]], out_dir: st
         f"<tr><td>{html.escape(k)}</td><td>{len(v)}</td><td>{v[0][1]:.4g}</td><td>{v[-1][1]:.4g}</td></tr>"
         for k, v in sorted(metrics.items())
     )
-    page = (f"<!doctype html><meta charset='utf-8'><title>lockstep {html.escape(run_id)}</title>"
-            f"<h1>lockstep run {html.escape(run_id)}</h1>"
-            f"<img alt='figures per iteration' src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}'>"
-            f"<table border=1 cellpadding=4><tr><th>metric</th><th>points</th><th>first</th><th>last</th></tr>{rows}"
-            f"</table>")
+    page = (
+        f"<!doctype html><meta charset='utf-8'><title>lockstep {html.escape(run_id)}</title>"
+        f"<h1>lockstep run {html.escape(run_id)}</h1>"
+        f"<img alt='figures per iteration' src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}'>"
+        f"<table border=1 cellpadding=4><tr><th>metric</th><th>points</th><th>first</th><th>last</th></tr>{rows}"
+        f"</table>"
+    )
     page_path = os.path.join(out_dir, f"{run_id}-report.html")
     with open(page_path, "w") as f:
         f.write(page)

@@ -46,8 +46,10 @@ def _batch_task_run_records() -> None:
     (flushed at least every 5 s, and at shutdown) the server used ~0.05 (60 iterations: 10.0 -> 6.1 CPU-s in all,
     start-up included). Set before the server starts; an explicit setting wins, and a real server (PREFECT_API_URL)
     keeps its own settings."""
-    for key in ("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE",
-                "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE"):
+    for key in (
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE",
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE",
+    ):
         os.environ.setdefault(key, "50")
 
 
@@ -103,14 +105,17 @@ def _iteration(s: RunSession, k: int) -> dict:
     gen_tokens = sum(sh["gen_tokens"] for r in results for sh in r["shards"])
     samples = s.cfg.rollout.prompts_per_iteration * s.cfg.rollout.group_size
     figures = {key: v for key, v in train.items() if key not in ("time/train_end_s", "time/train_task_s")}
-    figures.update({
-        "time/rollout_busy_s": rollout_busy,
-        "time/sync_s": max(r["load_s"] for r in results) + promoted["body_s"],
-        "perf/overlap_fraction": min(1.0, overlap / min(rollout_busy, train_busy)) if min(rollout_busy,
-                                                                                           train_busy) > 0 else 0.0,
-        "perf/gen_tokens_per_s": gen_tokens / max(1e-9, sum(r["busy_s"] for r in results)),
-        "perf/train_tokens_per_s": train["train/tokens"] / max(1e-9, train_busy),
-    })
+    figures.update(
+        {
+            "time/rollout_busy_s": rollout_busy,
+            "time/sync_s": max(r["load_s"] for r in results) + promoted["body_s"],
+            "perf/overlap_fraction": min(1.0, overlap / min(rollout_busy, train_busy))
+            if min(rollout_busy, train_busy) > 0
+            else 0.0,
+            "perf/gen_tokens_per_s": gen_tokens / max(1e-9, sum(r["busy_s"] for r in results)),
+            "perf/train_tokens_per_s": train["train/tokens"] / max(1e-9, train_busy),
+        }
+    )
     if s.cfg.eval.every and (k + 1) % s.cfg.eval.every == 0 and k + 1 < s.cfg.run.iterations:
         t_eval = time.perf_counter()
         figures["eval/accuracy"] = evaluate_task(run_id)
@@ -131,9 +136,20 @@ def _iteration(s: RunSession, k: int) -> dict:
     figures["time/orchestration_s"] = orchestration
     figures["time/storage_s"] = s.storage_s
     figures["time/tracking_s"] = tracking
-    s.tracker.log_metrics({key: figures[key] for key in ("time/iteration_s", "perf/samples_per_s",
-                                                         "perf/overhead_fraction", "time/orchestration_s",
-                                                         "time/storage_s", "time/tracking_s")}, step=k)
+    s.tracker.log_metrics(
+        {
+            key: figures[key]
+            for key in (
+                "time/iteration_s",
+                "perf/samples_per_s",
+                "perf/overhead_fraction",
+                "time/orchestration_s",
+                "time/storage_s",
+                "time/tracking_s",
+            )
+        },
+        step=k,
+    )
     return figures
 
 
@@ -172,9 +188,13 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
     t_start = time.perf_counter()
     _lower_api_server_priority(cfg.resources.api_server_nice)
     progress_hook({"event": "setup", "run_id": cfg.run.run_id})
-    s = open_session(cfg, on_progress=lambda step, loss: progress_hook({"event": "bootstrap", "step": step,
-                                                                          "steps": cfg.bootstrap.steps,
-                                                                          "loss": loss}), resume=resume)
+    s = open_session(
+        cfg,
+        on_progress=lambda step, loss: progress_hook(
+            {"event": "bootstrap", "step": step, "steps": cfg.bootstrap.steps, "loss": loss}
+        ),
+        resume=resume,
+    )
     status = "FAILED"
     audit: list = []  # the future of the previous iteration's audit task (submitted beside this iteration)
     try:
@@ -189,8 +209,15 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             return {**summary, "history": []}
         acc0 = evaluate_task(s.run_id)
         s.tracker.log_metrics({"eval/accuracy": acc0}, step=start_iteration)
-        progress_hook({"event": "start", "run_id": s.run_id, "iterations": cfg.run.iterations,
-                       "start": start_iteration, "accuracy": acc0})
+        progress_hook(
+            {
+                "event": "start",
+                "run_id": s.run_id,
+                "iterations": cfg.run.iterations,
+                "start": start_iteration,
+                "accuracy": acc0,
+            }
+        )
         history = []
         if cfg.pipeline.catalog:  # a crash may have cut a catalog write short: index those iterations again
             for rec in ledger.read_all(s.lake, s.run_id):
@@ -237,7 +264,8 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             "promoted_version": s.version,
             "median_iteration_s": statistics.median(f["time/iteration_s"] for f in history) if history else 0.0,
             "median_overhead_fraction": statistics.median(f["perf/overhead_fraction"] for f in history)
-            if history else 0.0,
+            if history
+            else 0.0,
         }
         atomic_write_bytes(s.lake, s.run_id, path, json.dumps(summary, indent=2).encode())
         summary["summary_path"] = s.lake.url(path)
@@ -316,8 +344,11 @@ def _curve_points(history: list[dict], iterations: int, acc0: float, acc_final: 
     last ones of the run, so its first is iterations - len(history); iteration k's evaluation is of version k+1."""
     start = iterations - len(history)
     rewards = [(start + i, h["reward/mean"]) for i, h in enumerate(history)]
-    accuracy = ([(start, acc0)] + [(start + i + 1, h["eval/accuracy"]) for i, h in enumerate(history)
-                                   if "eval/accuracy" in h] + [(iterations, acc_final)])
+    accuracy = (
+        [(start, acc0)]
+        + [(start + i + 1, h["eval/accuracy"]) for i, h in enumerate(history) if "eval/accuracy" in h]
+        + [(iterations, acc_final)]
+    )
     return rewards, accuracy
 
 

@@ -685,13 +685,15 @@ def trust_region_agreement(
     live = m & (adv != 0)  # (B, T) tokens that would pass a gradient without a trust region
     zeroed, ref_zeroed = live & (g_approx == 0), live & (g_ref == 0)  # (B, T)
     n = m.sum().clamp(min=1)
-    return _floats({
-        "grad_abs_err": torch.where(m, (g_approx - g_ref).abs(), 0.0).sum() / n,
-        "grad_abs": torch.where(m, g_ref.abs(), 0.0).sum() / n,
-        "zeroed_fraction": zeroed.sum() / n,
-        "reference_zeroed_fraction": ref_zeroed.sum() / n,
-        "zeroed_shared_fraction": (zeroed & ref_zeroed).sum() / n,
-    })
+    return _floats(
+        {
+            "grad_abs_err": torch.where(m, (g_approx - g_ref).abs(), 0.0).sum() / n,
+            "grad_abs": torch.where(m, g_ref.abs(), 0.0).sum() / n,
+            "zeroed_fraction": zeroed.sum() / n,
+            "reference_zeroed_fraction": ref_zeroed.sum() / n,
+            "zeroed_shared_fraction": (zeroed & ref_zeroed).sum() / n,
+        }
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -124,18 +124,23 @@ def _check_model_files(path: Path) -> dict:
         raise ModelDirError(f"{path} is not a directory: give a Hugging Face model directory")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelDirError(f"{path} has no config.json: not a Hugging Face model directory (save_pretrained writes "
-                            "config.json, the weights and, with the tokenizer's save_pretrained, its files)")
+        raise ModelDirError(
+            f"{path} has no config.json: not a Hugging Face model directory (save_pretrained writes "
+            "config.json, the weights and, with the tokenizer's save_pretrained, its files)"
+        )
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelDirError(f"{config_file} is not valid JSON ({e}); re-save the model with save_pretrained") from None
     if not isinstance(config, dict) or "model_type" not in config:
-        raise ModelDirError(f"{config_file} has no `model_type`: transformers cannot tell the architecture; re-save "
-                            "the model with save_pretrained")
+        raise ModelDirError(
+            f"{config_file} has no `model_type`: transformers cannot tell the architecture; re-save "
+            "the model with save_pretrained"
+        )
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
-        raise ModelDirError(f"{path} has no weights (*.safetensors or pytorch_model*.bin); save the model with "
-                            "save_pretrained")
+        raise ModelDirError(
+            f"{path} has no weights (*.safetensors or pytorch_model*.bin); save the model with save_pretrained"
+        )
     for weights in path.glob("*.safetensors"):
         try:
             with safe_open(str(weights), framework="pt"):  # reads the header only
@@ -143,8 +148,10 @@ def _check_model_files(path: Path) -> dict:
         except (SafetensorError, OSError) as e:
             raise ModelDirError(f"{weights} is not a readable safetensors file ({e}); save the model again") from None
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise ModelDirError(f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json): save the model's "
-                            "tokenizer there with tokenizer.save_pretrained")
+        raise ModelDirError(
+            f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json): save the model's "
+            "tokenizer there with tokenizer.save_pretrained"
+        )
     return config
 
 
@@ -156,18 +163,24 @@ def _check_tokenizer(path: Path, config: dict, tokenizer) -> None:
     nothing) and is no larger than the embedding table."""
     ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
     if not ids or all(i == tokenizer.unk_token_id for i in ids):
-        raise ModelDirError(f"{path}: the tokenizer encodes {_PROBE!r} as {ids}: its vocabulary is missing "
-                            "(tokenizer.json, or vocab.json + merges.txt / tokenizer.model beside "
-                            "tokenizer_config.json); save the tokenizer there again with tokenizer.save_pretrained")
+        raise ModelDirError(
+            f"{path}: the tokenizer encodes {_PROBE!r} as {ids}: its vocabulary is missing "
+            "(tokenizer.json, or vocab.json + merges.txt / tokenizer.model beside "
+            "tokenizer_config.json); save the tokenizer there again with tokenizer.save_pretrained"
+        )
     vocab_size = config.get("vocab_size")  # absent at the top level of some multimodal configs: nothing to compare
     if isinstance(vocab_size, int) and len(tokenizer) > vocab_size:
         hint = ""
         if not (path / "tokenizer_config.json").is_file():
-            hint = (f" (there is no tokenizer_config.json, so {type(tokenizer).__name__} added its default special "
-                    "tokens: save the tokenizer with tokenizer.save_pretrained, which writes both files)")
-        raise ModelDirError(f"{path}: tokenizer has {len(tokenizer)} tokens but config.json vocab_size={vocab_size}: "
-                            "ids past the embedding table would fail in the first forward pass; use the tokenizer "
-                            f"the model was trained with, or resize the embeddings and save again{hint}")
+            hint = (
+                f" (there is no tokenizer_config.json, so {type(tokenizer).__name__} added its default special "
+                "tokens: save the tokenizer with tokenizer.save_pretrained, which writes both files)"
+            )
+        raise ModelDirError(
+            f"{path}: tokenizer has {len(tokenizer)} tokens but config.json vocab_size={vocab_size}: "
+            "ids past the embedding table would fail in the first forward pass; use the tokenizer "
+            f"the model was trained with, or resize the embeddings and save again{hint}"
+        )
 
 
 def check_model_dir(path: str | Path) -> None:

@@ -198,8 +198,14 @@ class PolicyTrainer:
             self._sums["loss_numerator"] += float(numerator)
             self._sums["entropy/mean"] += float(entropy) * ntok
             self._sums["mismatch/logp_abs"] += float(mismatch) * ntok
-            for key in ("clip/fraction", "clip/low_fraction", "clip/high_fraction", "is_weight/mean",
-                        "is_weight/capped_fraction", *(k for k in metrics if k.startswith("prox/"))):
+            for key in (
+                "clip/fraction",
+                "clip/low_fraction",
+                "clip/high_fraction",
+                "is_weight/mean",
+                "is_weight/capped_fraction",
+                *(k for k in metrics if k.startswith("prox/")),
+            ):
                 if key in metrics:
                     self._sums[key] += metrics[key] * ntok
             if "is_weight/max" in metrics:
@@ -223,23 +229,31 @@ class PolicyTrainer:
                     raise RuntimeError(
                         f"the proximal policy of trainer version {version} is v{version - 1}, but the trainer holds "
                         f"{'no proximal weights' if self.prox_version is None else f'v{self.prox_version}'}: load "
-                        "them into prox_model and set prox_version (a resumed run: its checkpoint one version back)")
+                        "them into prox_model and set prox_version (a resumed run: its checkpoint one version back)"
+                    )
                 with torch.no_grad():
                     recomputed = token_logprobs(packed_logits(self.prox_model, packed), packed.targets, s.temperature)
         kind = "recompute" if s.prox_logp == "metrics" else s.prox_logp
-        prox, prox_metrics = objectives.proximal_logprobs(behavior, logp, token_versions, version, mask, kind,
-                                                          recomputed)
+        prox, prox_metrics = objectives.proximal_logprobs(
+            behavior, logp, token_versions, version, mask, kind, recomputed
+        )
         self._sums["time/prox_s"] += time.perf_counter() - t0
-        loss_kwargs = dict(clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip, is_cap=s.is_cap,
-                           is_mode=s.is_mode, is_level=s.is_level)
+        loss_kwargs = dict(
+            clip_low=s.clip_low,
+            clip_high=s.clip_high,
+            dual_clip=s.dual_clip,
+            is_cap=s.is_cap,
+            is_mode=s.is_mode,
+            is_level=s.is_level,
+        )
         extra: dict[str, float] = {}
         if s.prox_logp == "metrics":  # how far each approximation lands from the recomputed proximal policy
             for approx in ("loglinear", "linear"):
-                approx_prox, m = objectives.proximal_logprobs(behavior, logp, token_versions, version, mask, approx,
-                                                              recomputed)
+                approx_prox, m = objectives.proximal_logprobs(
+                    behavior, logp, token_versions, version, mask, approx, recomputed
+                )
                 m = {k[5:]: v for k, v in m.items() if k.startswith("prox/") and k != "prox/alpha_mean"}
-                m.update(objectives.trust_region_agreement(logp, approx_prox, prox, behavior, adv, mask,
-                                                           **loss_kwargs))
+                m.update(objectives.trust_region_agreement(logp, approx_prox, prox, behavior, adv, mask, **loss_kwargs))
                 extra.update({f"prox/{approx}/{k}": v for k, v in m.items()})
             # the baseline an approximation's trust region is measured against: none at all (pi_prox = pi_theta, so
             # r = 1 and w = pi_theta / pi_b, capped or masked as configured)

@@ -26,24 +26,46 @@ def _load_checkpoint_in_worker(worker, model_dir: str) -> int:  # runs inside ea
 
 
 class VLLMEngine:
-    def __init__(self, model_dir: str, *, seed: int, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, enforce_eager: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        seed: int,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+    ):
         try:
             import vllm
         except ImportError as e:
             raise ImportError(f"rollout.engine 'vllm' needs vLLM, which is not installed: {INSTALL}") from e
-        self.llm = vllm.LLM(model=model_dir, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                            max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=True,
-                            logprobs_mode="processed_logprobs")
+        self.llm = vllm.LLM(
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+        )
 
     def load_checkpoint(self, model_dir: str) -> None:
         """Load a local HF checkpoint directory's weights into every vLLM worker, then drop cached prefixes."""
         self.llm.collective_rpc(_load_checkpoint_in_worker, args=(model_dir,))
         self.llm.reset_prefix_cache()
 
-    def generate_groups(self, prompts: list[list[int]], group_size: int, params: SamplingParams,
-                        seeds: list[list[int]], eos_token_id: int, pad_token_id: int,
-                        version: int = 0) -> list[list[Sample]]:
+    def generate_groups(
+        self,
+        prompts: list[list[int]],
+        group_size: int,
+        params: SamplingParams,
+        seeds: list[list[int]],
+        eos_token_id: int,
+        pad_token_id: int,
+        version: int = 0,
+    ) -> list[list[Sample]]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -54,10 +76,19 @@ class VLLMEngine:
         for p, row in zip(prompts, seeds):
             for seed in row:
                 requests.append(TokensPrompt(prompt_token_ids=list(p)))
-                sampling.append(VLLMSamplingParams(
-                    n=1, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
-                    max_tokens=params.max_new_tokens, seed=seed, logprobs=0, stop_token_ids=stop, detokenize=False,
-                    skip_special_tokens=False))
+                sampling.append(
+                    VLLMSamplingParams(
+                        n=1,
+                        temperature=0.0 if params.greedy else params.temperature,
+                        top_p=params.top_p,
+                        max_tokens=params.max_new_tokens,
+                        seed=seed,
+                        logprobs=0,
+                        stop_token_ids=stop,
+                        detokenize=False,
+                        skip_special_tokens=False,
+                    )
+                )
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         flat = []
         for out, sp in zip(outputs, sampling, strict=True):

@@ -63,15 +63,22 @@ def write_iteration(uri: str, samples: pa.Table, shards: pa.Table, version: int,
             tbl.optimize()
 
 
-def query(uri: str, table: str = ROLLOUTS, where: str | None = None, limit: int | None = None,
-          columns: list[str] | None = None) -> pa.Table:
+def query(
+    uri: str,
+    table: str = ROLLOUTS,
+    where: str | None = None,
+    limit: int | None = None,
+    columns: list[str] | None = None,
+) -> pa.Table:
     """Rows of a catalog table matching a SQL `where` filter (LanceDB / DataFusion syntax)."""
     db = _connect(uri)
     try:
         tbl = db.open_table(table)
     except ValueError:  # absent, or its creation cut short (no first version): the resumed run writes it
-        raise FileNotFoundError(f"the catalog at {uri} has no table {table!r} (no iteration was promoted yet, or "
-                                f"the run stopped while writing it: `lockstep resume` completes it)") from None
+        raise FileNotFoundError(
+            f"the catalog at {uri} has no table {table!r} (no iteration was promoted yet, or "
+            f"the run stopped while writing it: `lockstep resume` completes it)"
+        ) from None
     q = tbl.search()
     if where:
         q = q.where(where)

@@ -54,8 +54,9 @@ class TrainerSnapshot:
     rng: torch.Tensor
 
 
-def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, copy: bool = False
-             ) -> TrainerSnapshot:
+def snapshot(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, copy: bool = False
+) -> TrainerSnapshot:
     """The model's and optimizer's state now; with `copy`, detached from later updates (~3 copies of the
     weights' bytes: weights plus AdamW's two moments)."""
     weights: dict[str, torch.Tensor] = {}
@@ -242,9 +243,11 @@ def promoted_version(lake: Lake, run_id: str) -> int | None:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version {version!r} is not a version number")
     except (ValueError, KeyError, TypeError) as e:  # not JSON, no "version", not a mapping
-        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e}); it is written atomically, so this is "
-                              "outside damage: restore it from a backup or rewrite it as {\"version\": N} with the "
-                              "newest checkpoint that verifies") from None
+        raise CheckpointError(
+            f"{path} is damaged ({type(e).__name__}: {e}); it is written atomically, so this is "
+            'outside damage: restore it from a backup or rewrite it as {"version": N} with the '
+            "newest checkpoint that verifies"
+        ) from None
     return version
 
 
@@ -268,8 +271,10 @@ def load_trainer_state(lake: Lake, path: str, optimizer: torch.optim.Optimizer |
     sdir = f"{path}/trainer_state"
     state = read_json(lake, f"{sdir}/state.json")
     if optimizer is not None and PRUNED_MARK in read_json(lake, f"{path}/MANIFEST.json"):
-        raise CheckpointError(f"checkpoint {path} no longer has its optimizer state (lake.keep_optimizer_state "
-                              f"pruned it); resume from the promoted version, whose state is kept")
+        raise CheckpointError(
+            f"checkpoint {path} no longer has its optimizer state (lake.keep_optimizer_state "
+            f"pruned it); resume from the promoted version, whose state is kept"
+        )
     if optimizer is not None and fs.exists(f"{sdir}/optimizer.safetensors"):
         with fs.open(f"{sdir}/optimizer.safetensors", "rb") as f:
             tensors = st_load(f.read())

@@ -68,9 +68,11 @@ def resolve_format(uri: str, fmt: Format) -> Format:
     if not is_file:
         return "hf"
     what = f"file extension .{ext}" if ext else "a file without extension"
-    raise DatasetError(f"{uri}: {what} is not supported with format auto: give a JSONL (.jsonl, .json) or Parquet "
-                       "(.parquet) file or a Hugging Face dataset id, or set task.dataset.format to jsonl, parquet "
-                       "or hf")
+    raise DatasetError(
+        f"{uri}: {what} is not supported with format auto: give a JSONL (.jsonl, .json) or Parquet "
+        "(.parquet) file or a Hugging Face dataset id, or set task.dataset.format to jsonl, parquet "
+        "or hf"
+    )
 
 
 @contextmanager
@@ -82,13 +84,16 @@ def _open(uri: str, fmt: str):
     except FileNotFoundError:
         raise DatasetError(f"{uri} (format {fmt}): no such file; check task.dataset.uri / eval_uri") from None
     except ImportError as e:  # fsspec: "Install s3fs to access S3"
-        raise DatasetError(f"{uri} (format {fmt}): its protocol needs a package that is not installed ({e}); "
-                           "install it, or copy the file to a local path") from None
+        raise DatasetError(
+            f"{uri} (format {fmt}): its protocol needs a package that is not installed ({e}); "
+            "install it, or copy the file to a local path"
+        ) from None
     except ValueError as e:
         if "Protocol not known" not in str(e):
             raise
-        raise DatasetError(f"{uri} (format {fmt}): {e}; give a local path or a URL fsspec knows (file://, s3://, "
-                           "gs://, memory://...)") from None
+        raise DatasetError(
+            f"{uri} (format {fmt}): {e}; give a local path or a URL fsspec knows (file://, s3://, gs://, memory://...)"
+        ) from None
     except OSError as e:
         raise DatasetError(f"{uri} (format {fmt}): cannot be read: {e}") from None
 
@@ -122,8 +127,10 @@ def _rows(uri: str, fmt: Format, split: str):
             try:
                 batches = pq.ParquetFile(f).iter_batches(batch_size=1024)  # row groups as read: not the whole file
             except pa.ArrowInvalid as e:
-                raise DatasetError(f"{uri} (format parquet) is not a Parquet file ({e}); set task.dataset.format to "
-                                   "the file's format (jsonl, parquet or hf)") from None
+                raise DatasetError(
+                    f"{uri} (format parquet) is not a Parquet file ({e}); set task.dataset.format to "
+                    "the file's format (jsonl, parquet or hf)"
+                ) from None
             i = 0
             for batch in batches:
                 for row in batch.to_pylist():
@@ -151,8 +158,10 @@ def check_readable(uri: str, fmt: Format = "auto", split: str = "train") -> None
     except DatasetError:
         raise
     except Exception as e:  # each fsspec backend has its own network errors (httpx, aiohttp, botocore...)
-        raise DatasetError(f"{uri} (format {resolve_format(uri, fmt)}): cannot be read ({type(e).__name__}: {e}); "
-                           "check the URL and the network, or copy the file to a local path") from None
+        raise DatasetError(
+            f"{uri} (format {resolve_format(uri, fmt)}): cannot be read ({type(e).__name__}: {e}); "
+            "check the URL and the network, or copy the file to a local path"
+        ) from None
     finally:
         rows.close()
 

@@ -39,12 +39,16 @@ def _armed() -> dict[str, tuple[int, int]]:
         bad = f"LOCKSTEP_FAULT={spec!r}:"
         key = _KEY.fullmatch(name)
         if key is None or key["point"] not in POINTS:
-            raise ValueError(f"{bad} {name!r} is not a failpoint: one of {', '.join(POINTS)}, "
-                             f"or {', '.join(ITERATION_POINTS)} with [iteration]")
+            raise ValueError(
+                f"{bad} {name!r} is not a failpoint: one of {', '.join(POINTS)}, "
+                f"or {', '.join(ITERATION_POINTS)} with [iteration]"
+            )
         if key["iteration"] is not None:
             if key["point"] not in ITERATION_POINTS:
-                raise ValueError(f"{bad} {key['point']!r} is not passed with its iteration: [iteration] only on "
-                                 f"{', '.join(ITERATION_POINTS)}")
+                raise ValueError(
+                    f"{bad} {key['point']!r} is not passed with its iteration: [iteration] only on "
+                    f"{', '.join(ITERATION_POINTS)}"
+                )
             name = f"{key['point']}[{int(key['iteration'])}]"  # [01] is the key point() looks up as [1]
         if at and not (n.isascii() and n.isdecimal() and int(n) >= 1):
             raise ValueError(f"{bad} pass {n!r} of {name!r} is not a positive integer")

@@ -44,8 +44,10 @@ def check_lake_url(uri: str) -> None:
         try:
             fsspec.get_filesystem_class(protocol or "file")
         except (ImportError, ValueError) as e:  # "Install s3fs to access S3", "Protocol not known: foo"
-            raise LakeURLError(f"lake {uri!r}: {e}; give a local directory or an fsspec URL whose filesystem is "
-                               "installed (s3:// needs s3fs, gs:// gcsfs, az:// adlfs)") from None
+            raise LakeURLError(
+                f"lake {uri!r}: {e}; give a local directory or an fsspec URL whose filesystem is "
+                "installed (s3:// needs s3fs, gs:// gcsfs, az:// adlfs)"
+            ) from None
 
 
 @dataclass(frozen=True)

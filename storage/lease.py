@@ -59,16 +59,23 @@ def _machine() -> dict:
 
 
 def _holder(command: str) -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
-            "since": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **_machine()}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "command": command,
+        "since": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **_machine(),
+    }
 
 
 def describe(holder: dict | None) -> str:
     """'`lockstep resume` (pid 4242 on host h1, since 2026-12-04T12:00:00Z)', or what is known of it."""
     if not holder:
         return "another process (its lease names no holder yet)"
-    return (f"`lockstep {holder.get('command', '?')}` (pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, "
-            f"since {holder.get('since', '?')})")
+    return (
+        f"`lockstep {holder.get('command', '?')}` (pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, "
+        f"since {holder.get('since', '?')})"
+    )
 
 
 def _in_use(lake: Lake, run_id: str, holder: dict | None, command: str) -> RunInUseError:
@@ -86,23 +93,29 @@ def _in_use(lake: Lake, run_id: str, holder: dict | None, command: str) -> RunIn
     if holder and isinstance(holder.get("renewed"), (int, float)):  # a remote lease: when it lapses if its holder died
         age = max(0.0, time.time() - holder["renewed"])
         expiry = f"; its lease was renewed {age:.0f} s ago and lapses {TTL_S:.0f} s after its last renewal"
-    return RunInUseError(f"run {run_id} in {lake.uri} is in use by {describe(holder)}{expiry}: one process at a time "
-                         f"writes a run; {todo}")
+    return RunInUseError(
+        f"run {run_id} in {lake.uri} is in use by {describe(holder)}{expiry}: one process at a time "
+        f"writes a run; {todo}"
+    )
 
 
 def _live(lease: dict) -> bool:
     """Whether a remote lease still holds: renewed within `TTL_S` (a renewal time more than `TTL_S` ahead of this
     clock is not believed), and not by a process of this machine that is gone."""
     renewed = lease.get("renewed")
-    return (isinstance(renewed, (int, float)) and abs(time.time() - renewed) < TTL_S and _alive_here(lease))
+    return isinstance(renewed, (int, float)) and abs(time.time() - renewed) < TTL_S and _alive_here(lease)
 
 
 def _alive_here(holder: dict) -> bool:
     """Whether a holder is still running: False only for a pid that is gone from this machine's own process table
     (same host, boot and pid namespace); True when it cannot be told."""
     here = _machine()
-    if (holder.get("host") != socket.gethostname() or not here or any(holder.get(k) != v for k, v in here.items())
-            or not isinstance(holder.get("pid"), int)):
+    if (
+        holder.get("host") != socket.gethostname()
+        or not here
+        or any(holder.get(k) != v for k, v in here.items())
+        or not isinstance(holder.get("pid"), int)
+    ):
         return True
     try:
         os.kill(holder["pid"], 0)
@@ -138,9 +151,11 @@ class RunLease:
         """RunInUseError if a renewal found the lease taken over: another process may now write the run, so this
         one stops before it promotes anything more."""
         if self.lost is not None:
-            raise RunInUseError(f"run {self.run_id} in {self.lake.uri}: this process lost the run's lease to "
-                                f"{describe(self.lost)} (not renewed within {TTL_S:.0f} s, or taken in the same "
-                                "moment); stopping before it writes more; `lockstep runs` shows who holds it now")
+            raise RunInUseError(
+                f"run {self.run_id} in {self.lake.uri}: this process lost the run's lease to "
+                f"{describe(self.lost)} (not renewed within {TTL_S:.0f} s, or taken in the same "
+                "moment); stopping before it writes more; `lockstep runs` shows who holds it now"
+            )
 
     def release(self) -> None:
         if self._fd is not None:
@@ -175,8 +190,11 @@ class RunLease:
                 current = _read_remote(fs, path) or {}
                 if current.get("token") != holder["token"]:
                     self.lost = current
-                    log.error("run %s: its lease is now held by %s; this process stops at its next iteration",
-                              self.run_id, describe(current))
+                    log.error(
+                        "run %s: its lease is now held by %s; this process stops at its next iteration",
+                        self.run_id,
+                        describe(current),
+                    )
                     return
                 fs.pipe_file(path, json.dumps({**holder, "renewed": time.time()}).encode())
             except Exception as e:  # a store that fails for a while: the next renewal tries again

@@ -30,8 +30,9 @@ def write_record(lake: Lake, run_id: str, iteration: int, state: State | tuple[S
     for next_state in (state,) if isinstance(state, str) else state:
         prev = record.get("state")
         if prev is None and next_state != "planned":
-            raise ValueError(f"ledger of run {run_id} iteration {iteration}: a new record starts 'planned', not "
-                             f"{next_state!r}")
+            raise ValueError(
+                f"ledger of run {run_id} iteration {iteration}: a new record starts 'planned', not {next_state!r}"
+            )
         if prev is not None and next_state not in _NEXT[prev]:
             raise ValueError(f"ledger of run {run_id} iteration {iteration}: illegal transition {prev} -> {next_state}")
         record["state"] = next_state

@@ -89,8 +89,10 @@ def records_to_table(records: list[SampleRecord]) -> pa.Table:
     for f in ROLLOUT_SCHEMA:  # pyarrow takes None in a non-nullable field: a shard would be written without it
         if not f.nullable and (nulls := table.column(f.name).null_count):
             first = next(r for r in records if getattr(r, f.name) is None)
-            raise ValueError(f"{f.name} is None in {nulls} sample(s) (first {first.group_id}/{first.sample_index}); "
-                             "a shard requires it")
+            raise ValueError(
+                f"{f.name} is None in {nulls} sample(s) (first {first.group_id}/{first.sample_index}); "
+                "a shard requires it"
+            )
     return table
 
 

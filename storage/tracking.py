@@ -104,8 +104,9 @@ class Tracker:
             self.flush()
         except Exception as e:
             if status != "FINISHED":
-                logging.getLogger("lockstep").warning("MLflow: queued metrics of failing run %s not written: %s",
-                                                      self.run_id, e)
+                logging.getLogger("lockstep").warning(
+                    "MLflow: queued metrics of failing run %s not written: %s", self.run_id, e
+                )
             error, status = (e if status == "FINISHED" else None), "FAILED"
         if self._writer is not None:
             self._writer.shutdown(wait=True)

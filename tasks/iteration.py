@@ -43,9 +43,19 @@ def plan_task(run_id: str, iteration: int) -> dict:
         chunks = [c for c in chunks if c.index not in reused]
     # planned and rolling out in one write, before any chunk reaches a worker: the plan is durable before a shard of
     # it can be, and a crash before the enqueue leaves an interrupted iteration that resume replans like any other
-    ledger.write_record(s.lake, run_id, iteration, ("planned", "rolling_out"), policy_version=iteration,
-                        planned_at_version=s.version, prompt_ids=prompt_ids, chunks=len(chunks) + len(reused),
-                        reused_chunks=reused, quarantined=quarantined, group_size=s.cfg.rollout.group_size)
+    ledger.write_record(
+        s.lake,
+        run_id,
+        iteration,
+        ("planned", "rolling_out"),
+        policy_version=iteration,
+        planned_at_version=s.version,
+        prompt_ids=prompt_ids,
+        chunks=len(chunks) + len(reused),
+        reused_chunks=reused,
+        quarantined=quarantined,
+        group_size=s.cfg.rollout.group_size,
+    )
     s.pool.enqueue(chunks)
     faults.point("after-plan")
     body = time.perf_counter() - t0
@@ -105,16 +115,32 @@ def serve_task(run_id: str, worker: int) -> dict:
     admission control (`pipeline.max_staleness`), loading each promoted version as it is announced."""
     s = session(run_id)
     c = s.cfg
-    return s.pool.serve(worker, s.version, s.lake.checkpoint_dir(run_id, s.version), c.pipeline.max_staleness,
-                        c.rollout.interrupt_on_update, on_shard=lambda info: s.shard_info.__setitem__(info["path"], info))
+    return s.pool.serve(
+        worker,
+        s.version,
+        s.lake.checkpoint_dir(run_id, s.version),
+        c.pipeline.max_staleness,
+        c.rollout.interrupt_on_update,
+        on_shard=lambda info: s.shard_info.__setitem__(info["path"], info),
+    )
 
 
 def groups_of(table, group_size: int | None = None) -> list[RolloutGroup]:
     """The shard's rows as whole groups, in row order; a shard holding part of a group is refused."""
     groups: dict[str, RolloutGroup] = {}
     # column by column: the trainer's columns only, without building a record per row (3x faster per shard)
-    cols = [table.column(name).to_pylist() for name in ("group_id", "prompt_id", "prompt_ids", "response_ids",
-                                                        "reward", "behavior_logprobs", "token_versions")]
+    cols = [
+        table.column(name).to_pylist()
+        for name in (
+            "group_id",
+            "prompt_id",
+            "prompt_ids",
+            "response_ids",
+            "reward",
+            "behavior_logprobs",
+            "token_versions",
+        )
+    ]
     for gid, prompt_id, prompt_ids, response_ids, reward, logprobs, versions in zip(*cols):
         g = groups.get(gid)
         if g is None:
@@ -136,9 +162,11 @@ def token_staleness(path: str, groups: list[RolloutGroup], version: int, max_sta
     version bookkeeping failed, and training on it would break the staleness bound silently."""
     staleness = [version - v for g in groups for tv in g.token_versions for v in tv]
     if staleness and not 0 <= min(staleness) <= max(staleness) <= max_staleness:
-        raise ShardError(f"{path}: tokens {max(staleness)} versions behind the trainer's {version} (bound "
-                         f"{max_staleness}) or {max(0, -min(staleness))} ahead of it: admission control or version "
-                         "bookkeeping failed")
+        raise ShardError(
+            f"{path}: tokens {max(staleness)} versions behind the trainer's {version} (bound "
+            f"{max_staleness}) or {max(0, -min(staleness))} ahead of it: admission control or version "
+            "bookkeeping failed"
+        )
     return staleness
 
 
@@ -163,8 +191,14 @@ def micro_batches(groups: list[RolloutGroup], budget: int, shared: bool) -> list
 
 
 # figures of a batch's optimizer steps that add up; the others are averaged over the steps (is_weight/max: maximum)
-_SUMMED = ("train/tokens", "train/samples", "train/micro_batches", "train/shared_fallbacks", "adv/zero_groups",
-           "time/prox_s")
+_SUMMED = (
+    "train/tokens",
+    "train/samples",
+    "train/micro_batches",
+    "train/shared_fallbacks",
+    "adv/zero_groups",
+    "time/prox_s",
+)
 
 
 class BatchSteps:
@@ -181,8 +215,9 @@ class BatchSteps:
         self.trainer, self.version = trainer, version
         self.before_step = before_step or (lambda: None)
         t = cfg.trainer
-        trainer.set_lr_factor(lr_factor(version, cfg.run.iterations, kind=t.lr_schedule, warmup=t.warmup_steps,
-                                        min_ratio=t.min_lr_ratio))
+        trainer.set_lr_factor(
+            lr_factor(version, cfg.run.iterations, kind=t.lr_schedule, warmup=t.warmup_steps, min_ratio=t.min_lr_ratio)
+        )
         self.budget, self.shared = cfg.train.micro_batch_tokens, cfg.train.shared_prompt
         self.m = cfg.algorithm.ppo_mini_batches
         self.size = len(plan) // self.m
@@ -219,8 +254,10 @@ class BatchSteps:
     def finish(self) -> dict[str, float]:
         """The last step; the batch's figures (summed or averaged over its steps)."""
         if self.m > 1 and (self.current != self.m - 1 or self.done[-1] != self.size):
-            raise RuntimeError(f"batch incomplete: mini-batch {self.current} of {self.m}, groups per mini-batch "
-                               f"{self.done} (expected {self.size} each)")
+            raise RuntimeError(
+                f"batch incomplete: mini-batch {self.current} of {self.m}, groups per mini-batch "
+                f"{self.done} (expected {self.size} each)"
+            )
         self.before_step()
         self.steps.append(self.trainer.optimizer_step())
         if len(self.steps) == 1:
@@ -263,9 +300,11 @@ def _check_rollouts_finished(s, run_id: str, iteration: int, seen: set[str], mis
     if any(p not in seen for p in list_shards(s, run_id, iteration)):
         return
     where = s.lake.iteration_rollouts(run_id, s.version, iteration)
-    raise RolloutsLostError(f"iteration {iteration}: the rollout workers finished, but {missing} of its groups are "
-                            f"not in {where} ({len(seen)} shards read): a shard was removed or written elsewhere; "
-                            "`lockstep resume` regenerates the missing chunks")
+    raise RolloutsLostError(
+        f"iteration {iteration}: the rollout workers finished, but {missing} of its groups are "
+        f"not in {where} ({len(seen)} shards read): a shard was removed or written elsewhere; "
+        "`lockstep resume` regenerates the missing chunks"
+    )
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -308,8 +347,9 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
         for path in new:
             seen.add(path)
             table = read_shard(s.lake, path)
-            landed.append((path, table.schema.metadata[b"lockstep.sha256"].decode(),
-                           groups_of(table, s.cfg.rollout.group_size)))
+            landed.append(
+                (path, table.schema.metadata[b"lockstep.sha256"].decode(), groups_of(table, s.cfg.rollout.group_size))
+            )
         storage += time.perf_counter() - t1
         if groups_done + sum(len(g) for _, _, g in landed) >= expected_groups:  # all in: workers idle till promotion
             torch.set_num_threads(idle_rollout_threads(s.cfg))
@@ -329,17 +369,19 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
     s.storage_s += storage
     r = torch.tensor(rewards)
     st = torch.tensor(staleness, dtype=torch.float32) if staleness else torch.zeros(1)
-    figures.update({
-        "reward/mean": float(r.mean()),
-        "reward/std": float(r.std()) if len(rewards) > 1 else 0.0,
-        "staleness/mean": float(st.mean()),
-        "staleness/max": float(st.max()),
-        "time/train_busy_s": busy,
-        "time/train_wait_s": wait,
-        "time/first_shard_s": first_shard_s or 0.0,
-        "time/train_end_s": time.perf_counter() - started_at,
-        "train/threads": float(torch.get_num_threads()),  # at the optimizer step: borrowed or not
-    })
+    figures.update(
+        {
+            "reward/mean": float(r.mean()),
+            "reward/std": float(r.std()) if len(rewards) > 1 else 0.0,
+            "staleness/mean": float(st.mean()),
+            "staleness/max": float(st.max()),
+            "time/train_busy_s": busy,
+            "time/train_wait_s": wait,
+            "time/first_shard_s": first_shard_s or 0.0,
+            "time/train_end_s": time.perf_counter() - started_at,
+            "train/threads": float(torch.get_num_threads()),  # at the optimizer step: borrowed or not
+        }
+    )
     t_ledger = time.perf_counter()
     ledger.write_record(s.lake, run_id, iteration, "trained", shards=shards, figures=figures)
     s.storage_s += time.perf_counter() - t_ledger
@@ -378,8 +420,9 @@ def _save_and_promote(s, iteration: int, version: int, snap: checkpoints.Trainer
     it, the record stays 'trained' for resume to settle. Either way the error is raised."""
     run_id = s.run_id
     try:
-        checkpoints.save_checkpoint(s.lake, run_id, version, s.trainer.model, s.tokenizer,
-                                    extra_state={"iteration": iteration}, snap=snap)
+        checkpoints.save_checkpoint(
+            s.lake, run_id, version, s.trainer.model, s.tokenizer, extra_state={"iteration": iteration}, snap=snap
+        )
         faults.point("before-promote")
         checkpoints.promote(s.lake, run_id, version)
         faults.point("after-promote")
@@ -450,17 +493,32 @@ def catalog_iteration(run_id: str, iteration: int, version: int) -> int:
             idx = torch.tensor([i for i, x in enumerate(gid) if x == g])
             a, _ = compute_advantages(reward[idx].unsqueeze(0), kind=s.cfg.algorithm.advantage)
             adv[idx] = a.squeeze(0)
-        ids = [f"{run_id}/{it}/{g}/{j}" for it, g, j in zip(t.column("iteration").to_pylist(), gid,
-                                                            t.column("sample_index").to_pylist())]
+        ids = [
+            f"{run_id}/{it}/{g}/{j}"
+            for it, g, j in zip(t.column("iteration").to_pylist(), gid, t.column("sample_index").to_pylist())
+        ]
         t = t.replace_schema_metadata(None)
         t = t.append_column("sample_id", pa.array(ids)).append_column("advantage", pa.array(adv.tolist()))
         tables.append(t.append_column("shard", pa.array([sh["path"]] * t.num_rows)))
         # the version that generated the shard (its chunk started on it; async: older than the trainer's)
         generated = t.column("policy_version")[0].as_py()
-        shard_rows.append({"path": sh["path"], "checksum": sh["checksum"], "groups": sh["groups"],
-                           "rows": t.num_rows, "iteration": iteration, "policy_version": generated})
-    catalog.write_iteration(uri, pa.concat_tables(tables), pa.Table.from_pylist(shard_rows), version,
-                            compact_every=s.cfg.pipeline.catalog_compact_every)
+        shard_rows.append(
+            {
+                "path": sh["path"],
+                "checksum": sh["checksum"],
+                "groups": sh["groups"],
+                "rows": t.num_rows,
+                "iteration": iteration,
+                "policy_version": generated,
+            }
+        )
+    catalog.write_iteration(
+        uri,
+        pa.concat_tables(tables),
+        pa.Table.from_pylist(shard_rows),
+        version,
+        compact_every=s.cfg.pipeline.catalog_compact_every,
+    )
     ledger.annotate(s.lake, run_id, iteration, cataloged=True)
     return sum(t.num_rows for t in tables)
 
@@ -478,18 +536,31 @@ def markdown_report(run_id: str, iteration: int, figures: dict, worst: int = 5) 
     rec = ledger.read_record(s.lake, run_id, iteration)
     rows = []
     for sh in rec["shards"]:
-        t = read_shard(s.lake, sh["path"], sh["checksum"]).select(["group_id", "sample_index", "reward",
-                                                                     "response_text", "finish_reason"])
+        t = read_shard(s.lake, sh["path"], sh["checksum"]).select(
+            ["group_id", "sample_index", "reward", "response_text", "finish_reason"]
+        )
         rows.extend(t.to_pylist())
     rows.sort(key=lambda r: r["reward"])
-    lines = [f"# {run_id} iteration {iteration}", "",
-             f"trained on policy version {iteration}, promoted version {rec.get('promoted_version')}", "",
-             "| reward mean | reward std | samples | time (s) |", "|---|---|---|---|",
-             f"| {figures['reward/mean']:.4f} | {figures['reward/std']:.4f} | {len(rows)} | "
-             f"{figures['time/iteration_s']:.2f} |", "", f"## {worst} lowest-reward samples", "",
-             "| group | sample | reward | finish | response |", "|---|---|---|---|---|"]
+    lines = [
+        f"# {run_id} iteration {iteration}",
+        "",
+        f"trained on policy version {iteration}, promoted version {rec.get('promoted_version')}",
+        "",
+        "| reward mean | reward std | samples | time (s) |",
+        "|---|---|---|---|",
+        f"| {figures['reward/mean']:.4f} | {figures['reward/std']:.4f} | {len(rows)} | "
+        f"{figures['time/iteration_s']:.2f} |",
+        "",
+        f"## {worst} lowest-reward samples",
+        "",
+        "| group | sample | reward | finish | response |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows[:worst]:
         text = r["response_text"].replace("|", "\\|").replace("\n", "\\n")[:80]
         lines.append(f"| {r['group_id']} | {r['sample_index']} | {r['reward']:.3f} | {r['finish_reason']} | `{text}` |")
-    create_markdown_artifact(key=f"{run_id.lower().replace('_', '-').replace('.', '-')}-iter-{iteration}",
-                             markdown="\n".join(lines), description=f"lockstep {run_id} iteration {iteration}")
+    create_markdown_artifact(
+        key=f"{run_id.lower().replace('_', '-').replace('.', '-')}-iter-{iteration}",
+        markdown="\n".join(lines),
+        description=f"lockstep {run_id} iteration {iteration}",
+    )

@@ -38,22 +38,28 @@ def check_model_path(path: str) -> None:
     # "org/name" is a hub id; anything else path-like is a local path that is not there
     if path.startswith((".", "~")) or os.path.isabs(path) or path.count("/") > 1 or os.path.exists(path):
         hint = " (~ is not expanded: write the full path)" if path.startswith("~") else ""
-        raise InputError(f"model.path {path!r} is not a directory{hint}: give a local Hugging Face model directory "
-                         "(config.json, weights, tokenizer) or a hub id such as Qwen/Qwen2.5-0.5B")
+        raise InputError(
+            f"model.path {path!r} is not a directory{hint}: give a local Hugging Face model directory "
+            "(config.json, weights, tokenizer) or a hub id such as Qwen/Qwen2.5-0.5B"
+        )
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
 
     try:
         cached = try_to_load_from_cache(path, "config.json", cache_dir=constants.HF_HUB_CACHE)
     except HFValidationError as e:
-        raise InputError(f"model.path {path!r} is neither a local directory nor a hub id ({e}); give a local "
-                         "Hugging Face model directory or a hub id such as Qwen/Qwen2.5-0.5B") from None
+        raise InputError(
+            f"model.path {path!r} is neither a local directory nor a hub id ({e}); give a local "
+            "Hugging Face model directory or a hub id such as Qwen/Qwen2.5-0.5B"
+        ) from None
     if not _offline():
         return  # from_pretrained downloads what the cache lacks (a partial cache: a cut download, a config read)
     if not isinstance(cached, str):  # None, or the cache's marker of a file known not to exist
-        raise InputError(f"model.path {path!r} is not a local directory, and as a hub id it is not in the Hugging "
-                         f"Face cache ({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE=1 forbids downloading: "
-                         f"download it first (`hf download {path}` where there is network) or give a local directory")
+        raise InputError(
+            f"model.path {path!r} is not a local directory, and as a hub id it is not in the Hugging "
+            f"Face cache ({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE=1 forbids downloading: "
+            f"download it first (`hf download {path}` where there is network) or give a local directory"
+        )
     try:
         check_model_dir(os.path.dirname(cached))  # the cached snapshot: the same files from_pretrained will read
     except ModelDirError as e:
@@ -91,8 +97,10 @@ def resolve_device(kind: str):
         import importlib.util
 
         if importlib.util.find_spec("torch_npu") is None:
-            raise InputError("trainer.device is 'npu' but torch_npu is missing: pip install 'lockstep-rl[npu]'; or "
-                             "use trainer.device=cpu (or auto)")
+            raise InputError(
+                "trainer.device is 'npu' but torch_npu is missing: pip install 'lockstep-rl[npu]'; or "
+                "use trainer.device=cpu (or auto)"
+            )
         import torch_npu  # noqa: F401
     return torch.device(kind)
 
@@ -105,8 +113,9 @@ def check_backend(cfg: Config):
         if importlib.util.find_spec("vllm") is None:
             from models.vllm_engine import INSTALL
 
-            raise InputError(f"rollout.engine is 'vllm' but vLLM is not installed: {INSTALL}; or set "
-                             "rollout.engine=builtin")
+            raise InputError(
+                f"rollout.engine is 'vllm' but vLLM is not installed: {INSTALL}; or set rollout.engine=builtin"
+            )
     return resolve_device(cfg.trainer.device)
 
 
@@ -144,16 +153,21 @@ def check_prefect_api() -> None:
         with get_client(sync_client=True) as client:
             client.api_version()  # the call Prefect's own version check makes first; JSON only from a Prefect API
     except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
-        raise InputError(f"PREFECT_API_URL={url!r} is not an http(s) URL ({_first_line(e)}): give the API's URL, "
-                         "e.g. http://127.0.0.1:4200/api, or unset it to run on a temporary local Prefect server"
-                         ) from None
+        raise InputError(
+            f"PREFECT_API_URL={url!r} is not an http(s) URL ({_first_line(e)}): give the API's URL, "
+            "e.g. http://127.0.0.1:4200/api, or unset it to run on a temporary local Prefect server"
+        ) from None
     except httpx.TransportError as e:  # refused, timed out, a name that does not resolve
-        raise InputError(f"the Prefect API at PREFECT_API_URL={url} is unreachable ({_first_line(e)}): start it "
-                         "with `make services`, fix PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), or unset it to "
-                         "run on a temporary local Prefect server") from None
+        raise InputError(
+            f"the Prefect API at PREFECT_API_URL={url} is unreachable ({_first_line(e)}): start it "
+            "with `make services`, fix PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), or unset it to "
+            "run on a temporary local Prefect server"
+        ) from None
     except Exception as e:  # an HTTP error status, or a page that is not JSON
-        raise InputError(f"PREFECT_API_URL={url} is not a Prefect API ({_first_line(e)}): give the API's URL, e.g. "
-                         "http://127.0.0.1:4200/api, or unset it to run on a temporary local Prefect server") from None
+        raise InputError(
+            f"PREFECT_API_URL={url} is not a Prefect API ({_first_line(e)}): give the API's URL, e.g. "
+            "http://127.0.0.1:4200/api, or unset it to run on a temporary local Prefect server"
+        ) from None
 
 
 def check_tracking(cfg: Config) -> None:
@@ -170,9 +184,11 @@ def check_tracking(cfg: Config) -> None:
     try:
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as e:  # MlflowException, a missing driver (ModuleNotFoundError), a bad URI (ValueError), ...
-        raise InputError(f"tracking.uri {uri!r} cannot be used ({_first_line(e)}): give sqlite:///PATH (the default "
-                         "is sqlite:///mlflow.db), the http(s) URL of a running MLflow server (`make services` starts "
-                         "one at http://127.0.0.1:5000), or set tracking.enabled=false") from None
+        raise InputError(
+            f"tracking.uri {uri!r} cannot be used ({_first_line(e)}): give sqlite:///PATH (the default "
+            "is sqlite:///mlflow.db), the http(s) URL of a running MLflow server (`make services` starts "
+            "one at http://127.0.0.1:5000), or set tracking.enabled=false"
+        ) from None
     finally:
         for k, v in saved.items():
             if v is None:

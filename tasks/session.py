@@ -173,15 +173,24 @@ def task_prompts(cfg: Config, tokenizer, warn: bool = False) -> tuple[list, list
         if not all(keep):
             first = prompts[keep.index(False)].prompt_id
             if t.kind == "arithmetic" or cfg.data.on_bad_row == "fail":
-                raise ValueError(f"{keep.count(False)} {name} prompts exceed task.max_prompt_tokens="
-                                 f"{t.max_prompt_tokens} (e.g. prompt {first}); shorten them or raise the limit")
+                raise ValueError(
+                    f"{keep.count(False)} {name} prompts exceed task.max_prompt_tokens="
+                    f"{t.max_prompt_tokens} (e.g. prompt {first}); shorten them or raise the limit"
+                )
             if not any(keep):
-                raise ValueError(f"all {len(keep)} {name} prompts exceed task.max_prompt_tokens={t.max_prompt_tokens} "
-                                 f"(e.g. prompt {first}); shorten them or raise the limit")
+                raise ValueError(
+                    f"all {len(keep)} {name} prompts exceed task.max_prompt_tokens={t.max_prompt_tokens} "
+                    f"(e.g. prompt {first}); shorten them or raise the limit"
+                )
             if warn:
                 logging.getLogger("lockstep").warning(
-                        "%d of %d %s prompts skipped: longer than task.max_prompt_tokens=%d (e.g. prompt %s)",
-                    keep.count(False), len(keep), name, t.max_prompt_tokens, first)
+                    "%d of %d %s prompts skipped: longer than task.max_prompt_tokens=%d (e.g. prompt %s)",
+                    keep.count(False),
+                    len(keep),
+                    name,
+                    t.max_prompt_tokens,
+                    first,
+                )
             prompts = [p for p, k in zip(prompts, keep) if k]
             ids = [i for i, k in zip(ids, keep) if k]
         return prompts, ids
@@ -218,9 +227,13 @@ def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
     from storage.datasets import load_prompts
 
     d = cfg.task.dataset
-    common = dict(question_field=d.question_field, answer_field=d.answer_field, template=d.template,
-                  on_bad_row=cfg.data.on_bad_row,
-                  max_prompt_chars=cfg.task.max_prompt_tokens * 8)  # a cheap pre-filter; tokens are checked after
+    common = dict(
+        question_field=d.question_field,
+        answer_field=d.answer_field,
+        template=d.template,
+        on_bad_row=cfg.data.on_bad_row,
+        max_prompt_chars=cfg.task.max_prompt_tokens * 8,
+    )  # a cheap pre-filter; tokens are checked after
     rows, report = load_prompts(d.uri, fmt=d.format, split=d.split, limit=d.max_rows, **common)
     if report.skipped and warn:
         logging.getLogger("lockstep").warning("%s (e.g. %s)", report.summary(), "; ".join(report.examples[:3]))
@@ -228,8 +241,10 @@ def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
         held, _ = load_prompts(d.eval_uri, fmt=d.format, split=d.eval_split, limit=cfg.task.n_eval, **common)
     else:
         if len(rows) <= cfg.task.n_eval:
-            raise ValueError(f"{d.uri} has {len(rows)} usable rows: too few to hold out task.n_eval="
-                             f"{cfg.task.n_eval}; lower it or give task.dataset.eval_uri")
+            raise ValueError(
+                f"{d.uri} has {len(rows)} usable rows: too few to hold out task.n_eval="
+                f"{cfg.task.n_eval}; lower it or give task.dataset.eval_uri"
+            )
         order = list(range(len(rows)))
         random.Random(cfg.task.split_seed).shuffle(order)
         held = [rows[i] for i in order[: cfg.task.n_eval]]
@@ -239,9 +254,14 @@ def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
 
 
 def bootstrap_key(cfg: Config) -> str:
-    key = {"model": cfg.model.model_dump(mode="json"), "task": cfg.task.model_dump(mode="json"),
-           "bootstrap": cfg.bootstrap.model_dump(mode="json"), "seed": cfg.run.seed, "alphabet": DEFAULT_ALPHABET,
-           "format": 2}
+    key = {
+        "model": cfg.model.model_dump(mode="json"),
+        "task": cfg.task.model_dump(mode="json"),
+        "bootstrap": cfg.bootstrap.model_dump(mode="json"),
+        "seed": cfg.run.seed,
+        "alphabet": DEFAULT_ALPHABET,
+        "format": 2,
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -256,11 +276,14 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
     else:
         tokenizer = build_char_tokenizer()
         m = cfg.model.tiny
-        model = build_tiny_model(len(tokenizer), arch=m.arch, hidden_size=m.hidden_size, num_layers=m.num_layers,
-                                 num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                                 intermediate_size=m.intermediate_size, seed=cfg.run.seed,
-                                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
+        model = build_tiny_model(
+            len(tokenizer),
+            **m.model_dump(),  # the fields of model.tiny are build_tiny_model's own
+            seed=cfg.run.seed,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     train_prompts, train_ids, _, _ = task_prompts(cfg, tokenizer)
     seqs = [tokenizer(p.text + p.answer + "\n", add_special_tokens=False)["input_ids"] for p in train_prompts]
     b = cfg.bootstrap
@@ -269,38 +292,78 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
         check = list(range(min(b.check_prompts, len(train_prompts))))
 
         def stop_when(step: int) -> bool:
-            acc = accuracy(model, tokenizer, [train_ids[i] for i in check], [train_prompts[i] for i in check],
-                           cfg.eval.max_new_tokens, cfg.task.reward)
+            acc = accuracy(
+                model,
+                tokenizer,
+                [train_ids[i] for i in check],
+                [train_prompts[i] for i in check],
+                cfg.eval.max_new_tokens,
+                cfg.task.reward,
+            )
             return acc >= b.target_accuracy
 
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)
-        stats = sft(model, seqs, steps=b.steps, batch_size=b.batch_size, lr=b.lr, seed=cfg.run.seed,
-                    pad_token_id=tokenizer.pad_token_id, on_progress=on_progress, stop_when=stop_when,
-                    check_every=b.check_every)
+        stats = sft(
+            model,
+            seqs,
+            steps=b.steps,
+            batch_size=b.batch_size,
+            lr=b.lr,
+            seed=cfg.run.seed,
+            pad_token_id=tokenizer.pad_token_id,
+            on_progress=on_progress,
+            stop_when=stop_when,
+            check_every=b.check_every,
+        )
     # another run with the same key may have built it meanwhile and be loading it: keep that one
-    checkpoints.save_model_dir(lake, final, f"{lake.root}/_tmp/bootstrap-{bootstrap_key(cfg)}-{time.time_ns()}",
-                               model, tokenizer, extra_state={"bootstrap": stats}, keep_existing=True)
+    checkpoints.save_model_dir(
+        lake,
+        final,
+        f"{lake.root}/_tmp/bootstrap-{bootstrap_key(cfg)}-{time.time_ns()}",
+        model,
+        tokenizer,
+        extra_state={"bootstrap": stats},
+        keep_existing=True,
+    )
     return final, False
 
 
-def accuracy(model, tok, token_ids: list[list[int]], prompts: list[arithmetic.Prompt], max_new_tokens: int,
-             reward_kind: str = "arithmetic") -> float:
+def accuracy(
+    model,
+    tok,
+    token_ids: list[list[int]],
+    prompts: list[arithmetic.Prompt],
+    max_new_tokens: int,
+    reward_kind: str = "arithmetic",
+) -> float:
     """Fraction of greedy answers the task's reward scores as correct (exact match for arithmetic)."""
     was_training = model.training
-    outs = greedy_answers(model, token_ids, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id, stop_token_id=single_token_id(tok, "\n"))
+    outs = greedy_answers(
+        model,
+        token_ids,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        stop_token_id=single_token_id(tok, "\n"),
+    )
     model.train(was_training)
-    hits = sum(score(reward_kind, tok.decode(o, skip_special_tokens=True), p.answer) == 1.0
-               for o, p in zip(outs, prompts))
+    hits = sum(
+        score(reward_kind, tok.decode(o, skip_special_tokens=True), p.answer) == 1.0 for o, p in zip(outs, prompts)
+    )
     return hits / len(prompts)
-
 
 
 def evaluate(session: RunSession) -> float:
     """Held-out accuracy: exact match of the greedy answer."""
-    return accuracy(session.trainer.model, session.tokenizer, session.eval_token_ids, session.eval_prompts,
-                    session.cfg.eval.max_new_tokens, session.cfg.task.reward)
+    return accuracy(
+        session.trainer.model,
+        session.tokenizer,
+        session.eval_token_ids,
+        session.eval_prompts,
+        session.cfg.eval.max_new_tokens,
+        session.cfg.task.reward,
+    )
 
 
 class RunExistsError(RuntimeError):
@@ -315,8 +378,10 @@ def attention_kernel(choice: str, device: torch.device) -> str:
     if choice == "auto":
         return "flex_attention" if device.type == "cuda" and has_flex else "sdpa"
     if choice == "flex_attention" and (device.type == "cpu" or not has_flex):
-        raise ValueError(f"train.attention 'flex_attention' needs a CUDA device and torch with FlexAttention (it has "
-                         f"no backward pass on {device.type}); use train.attention=auto or sdpa")
+        raise ValueError(
+            f"train.attention 'flex_attention' needs a CUDA device and torch with FlexAttention (it has "
+            f"no backward pass on {device.type}); use train.attention=auto or sdpa"
+        )
     return choice
 
 
@@ -325,14 +390,33 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
     model.set_attn_implementation(attention_kernel(cfg.train.attention, device))
     ref_model = copy.deepcopy(model).requires_grad_(False).to(device) if cfg.algorithm.kl_coef > 0 else None
     a = cfg.algorithm
-    loss = LossSettings(advantage=a.advantage, loss_agg=a.loss_agg, clip_low=a.clip_low, clip_high=a.clip_high,
-                        dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl_kind,
-                        temperature=cfg.rollout.temperature, norm_len=cfg.rollout.max_new_tokens,
-                        decoupled=cfg.pipeline.mode == "async", prox_logp=a.prox_logp, is_cap=a.is_cap,
-                        is_mode=a.is_mode, is_level=a.is_level)
-    return PolicyTrainer(model.to(device), ref_model, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
-                         betas=(cfg.trainer.beta1, cfg.trainer.beta2), grad_clip=cfg.trainer.grad_clip, loss=loss,
-                         pad_token_id=tokenizer.pad_token_id, shared_prompt=cfg.train.shared_prompt)
+    loss = LossSettings(
+        advantage=a.advantage,
+        loss_agg=a.loss_agg,
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        dual_clip=a.dual_clip,
+        kl_coef=a.kl_coef,
+        kl_kind=a.kl_kind,
+        temperature=cfg.rollout.temperature,
+        norm_len=cfg.rollout.max_new_tokens,
+        decoupled=cfg.pipeline.mode == "async",
+        prox_logp=a.prox_logp,
+        is_cap=a.is_cap,
+        is_mode=a.is_mode,
+        is_level=a.is_level,
+    )
+    return PolicyTrainer(
+        model.to(device),
+        ref_model,
+        lr=cfg.trainer.lr,
+        weight_decay=cfg.trainer.weight_decay,
+        betas=(cfg.trainer.beta1, cfg.trainer.beta2),
+        grad_clip=cfg.trainer.grad_clip,
+        loss=loss,
+        pad_token_id=tokenizer.pad_token_id,
+        shared_prompt=cfg.train.shared_prompt,
+    )
 
 
 def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSession:
@@ -369,14 +453,17 @@ def _run_exists(cfg: Config, run_id: str, lake: Lake | None = None) -> RunExists
     process that runs it now, if one does."""
     held_by = lease.holder(lake, run_id) if lake is not None else None
     if held_by is not None:  # running now: a resume would be refused too
-        return RunExistsError(f"run {run_id} already exists in {cfg.lake.uri} and is in use by "
-                              f"{lease.describe(held_by)}: choose another run.run_id")
-    return RunExistsError(f"run {run_id} already exists in {cfg.lake.uri}: continue it with "
-                          f"`lockstep resume {run_id} --lake {cfg.lake.uri}` or choose another run.run_id")
+        return RunExistsError(
+            f"run {run_id} already exists in {cfg.lake.uri} and is in use by "
+            f"{lease.describe(held_by)}: choose another run.run_id"
+        )
+    return RunExistsError(
+        f"run {run_id} already exists in {cfg.lake.uri}: continue it with "
+        f"`lockstep resume {run_id} --lake {cfg.lake.uri}` or choose another run.run_id"
+    )
 
 
-def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resume: bool,
-               on_progress) -> RunSession:
+def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resume: bool, on_progress) -> RunSession:
     """`open_session` once the run's lease is held: nobody else writes the run from here."""
     config_path = f"{lake.run_dir(run_id)}/config.json"
     if resume:
@@ -397,8 +484,9 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
     version = checkpoints.promoted_version(lake, run_id)
     trainer = build_trainer(cfg, model, tokenizer, device)
     if version is None:
-        checkpoints.save_checkpoint(lake, run_id, 0, trainer.model, tokenizer, trainer.optimizer,
-                                    {"bootstrap_cached": cached})
+        checkpoints.save_checkpoint(
+            lake, run_id, 0, trainer.model, tokenizer, trainer.optimizer, {"bootstrap_cached": cached}
+        )
         checkpoints.promote(lake, run_id, 0)
         version = 0
     else:  # reopen: continue from the promoted checkpoint with its optimizer and RNG state
@@ -410,14 +498,24 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
     train_prompts, train_ids, eval_prompts, eval_ids = task_prompts(cfg, tokenizer, warn=True)
     iteration_prompt_ids(cfg, len(train_prompts), 0)  # refuses a batch larger than the training set
     spec = WorkerSpec(
-        lake_uri=cfg.lake.uri, run_id=run_id, model_dir=local_v0, threads=cfg.resources.rollout_threads,
-        run_seed=cfg.run.seed, group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, partial_credit=cfg.task.partial_credit,
+        lake_uri=cfg.lake.uri,
+        run_id=run_id,
+        model_dir=local_v0,
+        threads=cfg.resources.rollout_threads,
+        run_seed=cfg.run.seed,
+        group_size=cfg.rollout.group_size,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        partial_credit=cfg.task.partial_credit,
         reward_kind=cfg.task.reward,
         compression=cfg.lake.compression,
         engine=cfg.rollout.engine,
-        vllm={"dtype": cfg.rollout.vllm_dtype, "gpu_memory_utilization": cfg.rollout.vllm_gpu_memory_utilization,
-              "max_model_len": cfg.rollout.vllm_max_model_len},
+        vllm={
+            "dtype": cfg.rollout.vllm_dtype,
+            "gpu_memory_utilization": cfg.rollout.vllm_gpu_memory_utilization,
+            "max_model_len": cfg.rollout.vllm_max_model_len,
+        },
         prompts=[(p.prompt_id, p.text, p.answer, i) for p, i in zip(train_prompts, train_ids)],
     )
     with contextlib.ExitStack() as undo:  # a failure from here (MLflow unreachable, no shared memory) must not leave
@@ -425,14 +523,31 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
         pool = WorkerPool(cfg.resources.rollout_workers, spec, wait_ready=False)  # starts while MLflow and v0's eval do
         undo.callback(pool.close)
         if cfg.tracking.enabled:
-            tracker = Tracker.start(cfg.tracking.uri, cfg.tracking.experiment or cfg.run.name, run_id,
-                                    tags={"lockstep.mode": cfg.pipeline.mode})
+            tracker = Tracker.start(
+                cfg.tracking.uri,
+                cfg.tracking.experiment or cfg.run.name,
+                run_id,
+                tags={"lockstep.mode": cfg.pipeline.mode},
+            )
             undo.callback(tracker.finish, "FAILED")
             tracker.log_params(flatten(cfg))
         else:
             tracker = Tracker.disabled()
-        session = RunSession(run_id, cfg, lake, tokenizer, trainer, pool, tracker, train_prompts, train_ids,
-                             eval_prompts, eval_ids, version, device)
+        session = RunSession(
+            run_id,
+            cfg,
+            lake,
+            tokenizer,
+            trainer,
+            pool,
+            tracker,
+            train_prompts,
+            train_ids,
+            eval_prompts,
+            eval_ids,
+            version,
+            device,
+        )
         if pushes_weights(cfg):
             session.weights = SharedWeights.create(trainer.model)
             undo.callback(session.weights.unlink)
@@ -492,8 +607,9 @@ def iteration_prompt_ids(cfg: Config, n_train: int, iteration: int) -> list[int]
 
     B = cfg.rollout.prompts_per_iteration
     if B > n_train:
-        raise ValueError(f"rollout.prompts_per_iteration={B} exceeds the {n_train} training prompts: lower it or "
-                         "add prompts")
+        raise ValueError(
+            f"rollout.prompts_per_iteration={B} exceeds the {n_train} training prompts: lower it or add prompts"
+        )
     epoch, slot = divmod(iteration, n_train // B)
     perm = list(range(n_train))
     random.Random(cfg.run.seed * 7919 + epoch).shuffle(perm)

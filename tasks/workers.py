@@ -61,8 +61,9 @@ def remove_orphaned_weights(directory: str) -> list[str]:
     removed = []
     for name in os.listdir(directory):
         parts = name.split("-")
-        if not (name.startswith("lockstep-weights-") and name.endswith(".bin") and len(parts) >= 4
-                and parts[2].isdigit()):
+        if not (
+            name.startswith("lockstep-weights-") and name.endswith(".bin") and len(parts) >= 4 and parts[2].isdigit()
+        ):
             continue
         try:
             os.kill(int(parts[2]), 0)
@@ -99,8 +100,9 @@ class SharedWeights:
             layout.append((name, offset, tuple(p.shape), str(p.dtype).removeprefix("torch.")))
             offset += -(-p.numel() * p.element_size() // 64) * 64  # 64-byte aligned views
         if directory is None:
-            directory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
-                else tempfile.gettempdir()
+            directory = (
+                "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+            )
         remove_orphaned_weights(directory)
         fd, path = tempfile.mkstemp(prefix=f"lockstep-weights-{os.getpid()}-", suffix=".bin", dir=directory)
         try:
@@ -126,8 +128,10 @@ class SharedWeights:
         params = dict(model.named_parameters())
         views = self._views()
         if set(params) != set(views) or any(params[k].shape != views[k].shape for k in views):
-            raise RuntimeError(f"shared weights {self.path}: the model's parameters ({len(params)}) do not match "
-                               f"the layout ({len(views)}): the worker and the trainer built different models")
+            raise RuntimeError(
+                f"shared weights {self.path}: the model's parameters ({len(params)}) do not match "
+                f"the layout ({len(views)}): the worker and the trainer built different models"
+            )
         return [(params[k], views[k]) for k in views]
 
     def write(self, model) -> None:
@@ -241,14 +245,26 @@ class _Worker:
         started_version = self.version
         t0 = time.perf_counter()
         ids = [self.prompts[p][3] for p in chunk.prompt_ids]
-        seeds = [[sample_seed(spec.run_seed, chunk.iteration, p, j) for j in range(spec.group_size)]
-                 for p in chunk.prompt_ids]
+        seeds = [
+            [sample_seed(spec.run_seed, chunk.iteration, p, j) for j in range(spec.group_size)]
+            for p in chunk.prompt_ids
+        ]
         if self.vllm is not None:
-            groups = self.vllm.generate_groups(ids, spec.group_size, self.params, seeds, tok.eos_token_id,
-                                               tok.pad_token_id, version=started_version)
+            groups = self.vllm.generate_groups(
+                ids, spec.group_size, self.params, seeds, tok.eos_token_id, tok.pad_token_id, version=started_version
+            )
         else:
-            groups = generate_groups(self.model, ids, spec.group_size, self.params, seeds, tok.eos_token_id,
-                                     tok.pad_token_id, version=started_version, poll_update=poll_update)
+            groups = generate_groups(
+                self.model,
+                ids,
+                spec.group_size,
+                self.params,
+                seeds,
+                tok.eos_token_id,
+                tok.pad_token_id,
+                version=started_version,
+                poll_update=poll_update,
+            )
         now = datetime.now(timezone.utc)
         records = []
         gen_tokens = 0
@@ -257,23 +273,47 @@ class _Worker:
             for j, s in enumerate(group):
                 resp = tok.decode(s.response_ids, skip_special_tokens=True)
                 gen_tokens += len(s.response_ids)
-                records.append(SampleRecord(
-                    run_id=spec.run_id, iteration=chunk.iteration, policy_version=started_version,
-                    group_id=f"{chunk.iteration}-{pid}", prompt_id=pid, sample_index=j, prompt_ids=pids,
-                    response_ids=s.response_ids, behavior_logprobs=s.logprobs, token_versions=s.token_versions,
-                    reward=score(spec.reward_kind, resp, answer, spec.partial_credit), finish_reason=s.finish_reason,
-                    prompt_text=text, response_text=resp, worker=self.id, seed=s.seed, created_at=now,
-                ))
+                records.append(
+                    SampleRecord(
+                        run_id=spec.run_id,
+                        iteration=chunk.iteration,
+                        policy_version=started_version,
+                        group_id=f"{chunk.iteration}-{pid}",
+                        prompt_id=pid,
+                        sample_index=j,
+                        prompt_ids=pids,
+                        response_ids=s.response_ids,
+                        behavior_logprobs=s.logprobs,
+                        token_versions=s.token_versions,
+                        reward=score(spec.reward_kind, resp, answer, spec.partial_credit),
+                        finish_reason=s.finish_reason,
+                        prompt_text=text,
+                        response_text=resp,
+                        worker=self.id,
+                        seed=s.seed,
+                        created_at=now,
+                    )
+                )
         t1 = time.perf_counter()
-        path = (f"{self.lake.iteration_rollouts(spec.run_id, started_version, chunk.iteration)}/"
-                f"shard-{self.id}-{chunk.index:05d}.arrow")
+        path = (
+            f"{self.lake.iteration_rollouts(spec.run_id, started_version, chunk.iteration)}/"
+            f"shard-{self.id}-{chunk.index:05d}.arrow"
+        )
         if _orphaned(self.parent):  # the watch thread's period is a window: never publish for a dead run
             os._exit(0)
         checksum = write_shard(self.lake, spec.run_id, path, records, compression=spec.compression)
         t2 = time.perf_counter()
-        return {"path": path, "checksum": checksum, "groups": len(groups), "worker": self.id, "iteration":
-                chunk.iteration, "gen_tokens": gen_tokens, "gen_s": t1 - t0, "storage_s": t2 - t1,
-                "published_at": time.time()}
+        return {
+            "path": path,
+            "checksum": checksum,
+            "groups": len(groups),
+            "worker": self.id,
+            "iteration": chunk.iteration,
+            "gen_tokens": gen_tokens,
+            "gen_s": t1 - t0,
+            "storage_s": t2 - t1,
+            "published_at": time.time(),
+        }
 
     def iterate(self, version: int, source: str | SharedWeights, work) -> dict:
         """Sync / periodic: load `version`, drain the iteration's chunks up to a stop marker."""
@@ -345,8 +385,13 @@ class _Worker:
             while self.version < chunk.iteration - max_staleness:  # admission control
                 self._drain_commands(block=True)
                 if not self.serving:
-                    return {"shards": n_shards, "busy_s": busy, "storage_s": storage_s, "load_s": self.load_s,
-                            "abandoned_chunk": chunk.index}
+                    return {
+                        "shards": n_shards,
+                        "busy_s": busy,
+                        "storage_s": storage_s,
+                        "load_s": self.load_s,
+                        "abandoned_chunk": chunk.index,
+                    }
                 self._load_pending()
             info = self.generate_chunk(chunk, poll_update if interrupt else None)
             busy += info["gen_s"]
@@ -397,8 +442,12 @@ class WorkerPool:
         self.commands = [ctx.Queue() for _ in range(n_workers)]
         self.results = [ctx.Queue() for _ in range(n_workers)]
         self.procs = [
-            ctx.Process(target=_worker_main, args=(w, spec, self.commands[w], self.work, self.results[w], os.getpid()),
-                        name=f"lockstep-rollout-{w}", daemon=True)
+            ctx.Process(
+                target=_worker_main,
+                args=(w, spec, self.commands[w], self.work, self.results[w], os.getpid()),
+                name=f"lockstep-rollout-{w}",
+                daemon=True,
+            )
             for w in range(n_workers)
         ]
         self.failed: str | None = None
@@ -436,8 +485,9 @@ class WorkerPool:
         self.commands[worker].put(("iterate", version, source))
         return self._expect(worker, "done", timeout_s)
 
-    def serve(self, worker: int, version: int, checkpoint_path: str, max_staleness: int, interrupt: bool,
-              on_shard=None) -> dict:
+    def serve(
+        self, worker: int, version: int, checkpoint_path: str, max_staleness: int, interrupt: bool, on_shard=None
+    ) -> dict:
         """Async mode: `worker` generates chunks continuously until `stop_serving`; blocks until then.
         Each published shard's figures go to `on_shard` as it lands."""
         # queued before waiting for a starting worker, so that a `stop_serving` can never overtake it

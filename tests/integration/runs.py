@@ -14,8 +14,9 @@ from storage.shards import read_shard, table_to_records
 # (a short bootstrap gives partial credit), so a wrong gradient shows in the parameters.
 TINY = {
     "run": {"name": "t", "seed": 3, "iterations": 3},
-    "model": {"tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
-                       "intermediate_size": 128}},
+    "model": {
+        "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128}
+    },
     "task": {"max_operand": 12, "n_shots": 3, "n_eval": 20, "partial_credit": 0.5},
     "bootstrap": {"steps": 40, "batch_size": 16, "lr": 3e-3},
     "rollout": {"prompts_per_iteration": 8, "group_size": 4, "max_new_tokens": 4},
@@ -47,8 +48,9 @@ def mlflow_run(tmp_path: Path, run_id: str):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                filter_string=f"tags.`lockstep.run_id` = '{run_id}'")
+    (run,) = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], filter_string=f"tags.`lockstep.run_id` = '{run_id}'"
+    )
     return client, run
 
 

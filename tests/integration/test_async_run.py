@@ -17,9 +17,17 @@ ITERS = 10
 # answers after ~5 tokens, so sampling at temperature 2 (responses of ~12 tokens, up to 24) and one group per chunk
 # make decoding the long part; measured here, samples were interrupted in 3 of 6 iterations in each of three
 # 6-iteration runs, against 0-2 of 6 (four runs) with the model's own short answers at temperature 1
-SLOW_GEN = {"pipeline.mode": "async", "pipeline.max_staleness": 2, "rollout.interrupt_on_update": True,
-            "run.iterations": ITERS, "rollout.max_new_tokens": 24, "rollout.temperature": 2.0,
-            "pipeline.shard_groups": 1, "task.n_shots": 1, "algorithm.prox_logp": "metrics"}
+SLOW_GEN = {
+    "pipeline.mode": "async",
+    "pipeline.max_staleness": 2,
+    "rollout.interrupt_on_update": True,
+    "run.iterations": ITERS,
+    "rollout.max_new_tokens": 24,
+    "rollout.temperature": 2.0,
+    "pipeline.shard_groups": 1,
+    "task.n_shots": 1,
+    "algorithm.prox_logp": "metrics",
+}
 
 
 def hold_trainer_until_batch_2_lands(monkeypatch, lake: Lake, run_id: str) -> list[bool]:

@@ -18,8 +18,10 @@ def _dataset(path, n: int, bad: int) -> None:
     with open(path, "wb") as f:
         for _ in range(n):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
-            f.write(json.dumps({"question": f"what is {a}+{b}?", "answer": f"{a}+{b}={a + b}\n#### {a + b}"}).encode()
-                    + b"\n")
+            f.write(
+                json.dumps({"question": f"what is {a}+{b}?", "answer": f"{a}+{b}={a + b}\n#### {a + b}"}).encode()
+                + b"\n"
+            )
         for _ in range(bad):
             f.write(b'{"question": "", "answer": "#### 1"}\n')  # empty prompt
             f.write(b'{"answer": "#### 1"}\n')  # missing field
@@ -29,9 +31,14 @@ def _dataset(path, n: int, bad: int) -> None:
 def test_gsm8k_style_jsonl_run(tmp_path):
     data = tmp_path / "train.jsonl"
     _dataset(data, 40, bad=1)
-    overrides = {"task.kind": "dataset", "task.reward": "math_verify", "task.n_eval": 8,
-                 "task.dataset": {"uri": str(data), "template": "Question: {question}\nAnswer: "},
-                 "run.iterations": 2, "bootstrap.steps": 20}
+    overrides = {
+        "task.kind": "dataset",
+        "task.reward": "math_verify",
+        "task.n_eval": 8,
+        "task.dataset": {"uri": str(data), "template": "Question: {question}\nAnswer: "},
+        "run.iterations": 2,
+        "bootstrap.steps": 20,
+    }
     summary = train_flow(config_path=write_config(tmp_path, "gsm", overrides))
     lake = str(tmp_path / "lake")
     samples = all_samples(lake, "gsm")
@@ -51,8 +58,14 @@ def test_gsm8k_style_jsonl_run(tmp_path):
 def test_bad_rows_fail_when_asked(tmp_path):
     data = tmp_path / "train.jsonl"
     _dataset(data, 40, bad=1)
-    overrides = {"task.kind": "dataset", "task.reward": "math_verify", "task.n_eval": 8,
-                 "task.dataset": {"uri": str(data)}, "data.on_bad_row": "fail", "run.iterations": 1}
+    overrides = {
+        "task.kind": "dataset",
+        "task.reward": "math_verify",
+        "task.n_eval": 8,
+        "task.dataset": {"uri": str(data)},
+        "data.on_bad_row": "fail",
+        "run.iterations": 1,
+    }
     from storage.datasets import DatasetError
 
     with pytest.raises(DatasetError, match=r"train\.jsonl, row 40: empty 'question'"):

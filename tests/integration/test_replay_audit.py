@@ -67,8 +67,25 @@ def test_replay_and_audit(tmp_path, capsys, monkeypatch):
     assert {"v1", "v2"} <= set(tags)
 
     # the CLI: version filter and a SQL where, as JSON
-    assert cli(["audit", "orig", "--lake", lake_uri, "--version", "1", "--where", "reward >= 0",
-                "--limit", "100", "--format", "json"]) == 0
+    assert (
+        cli(
+            [
+                "audit",
+                "orig",
+                "--lake",
+                lake_uri,
+                "--version",
+                "1",
+                "--where",
+                "reward >= 0",
+                "--limit",
+                "100",
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert len(out) == 8 * 4 and {r["policy_version"] for r in out} == {1}
     assert cli(["audit", "orig", "--lake", lake_uri, "--version", "0", "--limit", "0", "--format", "json"]) == 0
@@ -83,10 +100,13 @@ def test_replay_and_audit(tmp_path, capsys, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id],
-                                filter_string="tags.`lockstep.run_id` = 'orig'")
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("t").experiment_id], filter_string="tags.`lockstep.run_id` = 'orig'"
+    )
     assert {a.path for a in client.list_artifacts(run.info.run_id, "report")} == {
-        "report/orig-report.png", "report/orig-report.html"}
+        "report/orig-report.png",
+        "report/orig-report.html",
+    }
     # the page is written but MLflow refuses it: exit 1 (not 0, not an input error), both paths named
     from mlflow.exceptions import MlflowException
 
@@ -96,8 +116,10 @@ def test_replay_and_audit(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     monkeypatch.setattr(MlflowClient, "log_artifact", refuse)
     assert cli(["report", "orig", "--lake", lake_uri, "--out", str(tmp_path / "rep2")]) == 1
-    assert squash(f"{tmp_path / 'rep2' / 'orig-report.png'} {tmp_path / 'rep2' / 'orig-report.html'} error: written, "
-                  f"but not logged to MLflow run {run.info.run_id}: database is locked") in cli_stderr(capsys)
+    assert squash(
+        f"{tmp_path / 'rep2' / 'orig-report.png'} {tmp_path / 'rep2' / 'orig-report.html'} error: written, "
+        f"but not logged to MLflow run {run.info.run_id}: database is locked"
+    ) in cli_stderr(capsys)
     assert (tmp_path / "rep2" / "orig-report.html").is_file()
     monkeypatch.undo()
     capsys.readouterr()
@@ -132,10 +154,12 @@ def test_export_round_trip(tmp_path, capsys):
     capsys.readouterr()
     # what is wrong, named: a version that does not exist (was "has no MANIFEST.json (incomplete write)"), a
     # negative one, a file as target (was a NotADirectoryError traceback)
-    for argv, expected in [(["--version", "9"], "error: run exp has no checkpoint v9; it has v0, v1"),
-                           (["--version", "-1"], "error: --version -1: versions start at 0"),
-                           (["--out", str(out / "config.json")], "is a file; choose a new directory"),
-                           (["--out", str(out / "config.json" / "sub")], f"File exists: {out / 'config.json'}")]:
+    for argv, expected in [
+        (["--version", "9"], "error: run exp has no checkpoint v9; it has v0, v1"),
+        (["--version", "-1"], "error: --version -1: versions start at 0"),
+        (["--out", str(out / "config.json")], "is a file; choose a new directory"),
+        (["--out", str(out / "config.json" / "sub")], f"File exists: {out / 'config.json'}"),
+    ]:
         argv = ["--out", str(tmp_path / "new"), *argv] if "--out" not in argv else argv
         assert cli(["export", "exp", "--lake", lake_uri, *argv]) == 2
         assert squash(expected) in cli_stderr(capsys)

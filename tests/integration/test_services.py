@@ -22,21 +22,32 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_run_triggered_through_the_deployment(tmp_path):
     pp, mp = free_ports(2)
-    env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"), "PREFECT_PORT": str(pp),
-           "MLFLOW_PORT": str(mp), "LOCKSTEP_BIN": str(Path(sys.executable).parent), "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"),
+        "PREFECT_PORT": str(pp),
+        "MLFLOW_PORT": str(mp),
+        "LOCKSTEP_BIN": str(Path(sys.executable).parent),
+        "PYTHONPATH": str(REPO),
+    }
     api, mlflow_uri = f"http://127.0.0.1:{pp}/api", f"http://127.0.0.1:{mp}"
-    started = subprocess.run(["infra/services.sh", "start"], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=300)
+    started = subprocess.run(
+        ["infra/services.sh", "start"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     serve = None
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         assert f"http://127.0.0.1:{pp}" in started.stdout and f"http://127.0.0.1:{mp}" in started.stdout
         cfg = write_config(tmp_path, "served", {"run.iterations": 2})
         serve_env = {**env, "PREFECT_API_URL": api}
-        serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", cfg, "--name", "it",
-                                  "-o", f"tracking.uri={mlflow_uri}"], cwd=REPO, env=serve_env,
-                                 stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "serve", cfg, "--name", "it", "-o", f"tracking.uri={mlflow_uri}"],
+            cwd=REPO,
+            env=serve_env,
+            stdout=open(tmp_path / "serve.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
         from prefect.deployments import run_deployment
@@ -60,8 +71,9 @@ def test_run_triggered_through_the_deployment(tmp_path):
                         break
                     assert time.monotonic() < deadline, f"flow run still {state.type} after 400 s"
                     time.sleep(2)
-                assert state.is_completed(), f"{state.type}: {state.message}\n" + (tmp_path / "serve.log").read_text()[
-                    -3000:]
+                assert state.is_completed(), (
+                    f"{state.type}: {state.message}\n" + (tmp_path / "serve.log").read_text()[-3000:]
+                )
                 # task-run states reach the server as events, recorded in batches (flows/train.py sets a batch size
                 # that this server inherits), so the last ones can land seconds after the flow run's final state
                 deadline = time.monotonic() + 60
@@ -77,8 +89,9 @@ def test_run_triggered_through_the_deployment(tmp_path):
         from mlflow.tracking import MlflowClient
 
         ml = MlflowClient(tracking_uri=mlflow_uri)
-        (mrun,) = ml.search_runs([ml.get_experiment_by_name("t").experiment_id],
-                                 filter_string="tags.`lockstep.run_id` = 'served'")
+        (mrun,) = ml.search_runs(
+            [ml.get_experiment_by_name("t").experiment_id], filter_string="tags.`lockstep.run_id` = 'served'"
+        )
         assert mrun.info.status == "FINISHED"
         assert sorted(m.step for m in ml.get_metric_history(mrun.info.run_id, "reward/mean")) == [0, 1]
         assert sorted(m.step for m in ml.get_metric_history(mrun.info.run_id, "eval/accuracy")) == [0, 1, 2]
@@ -89,8 +102,9 @@ def test_run_triggered_through_the_deployment(tmp_path):
                 serve.wait(timeout=20)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(serve.pid, signal.SIGKILL)
-        stopped = subprocess.run(["infra/services.sh", "stop"], cwd=REPO, env=env, capture_output=True, text=True,
-                                 timeout=120)
+        stopped = subprocess.run(
+            ["infra/services.sh", "stop"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
         assert stopped.returncode == 0, stopped.stderr
 
 
@@ -101,18 +115,27 @@ def test_services_refuse_a_port_in_use_and_start_nothing(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"), "PREFECT_PORT": str(free_port()),
-               "MLFLOW_PORT": str(port), "LOCKSTEP_BIN": str(Path(sys.executable).parent)}
-        proc = subprocess.run(["infra/services.sh", "start"], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=60)
+        env = {
+            **os.environ,
+            "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state"),
+            "PREFECT_PORT": str(free_port()),
+            "MLFLOW_PORT": str(port),
+            "LOCKSTEP_BIN": str(Path(sys.executable).parent),
+        }
+        proc = subprocess.run(
+            ["infra/services.sh", "start"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        )
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stderr == (f"port {port} (mlflow) is in use by another program: stop it, or choose another port "
-                           f"(MLFLOW_PORT={port + 1} infra/services.sh start)\n")
+    assert proc.stderr == (
+        f"port {port} (mlflow) is in use by another program: stop it, or choose another port "
+        f"(MLFLOW_PORT={port + 1} infra/services.sh start)\n"
+    )
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == []  # no pid, no log: nothing was started
 
 
 def test_services_script_refuses_an_unknown_command(tmp_path):
     env = {**os.environ, "LOCKSTEP_SERVICES_STATE": str(tmp_path / "state")}
-    proc = subprocess.run(["infra/services.sh", "restart"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        ["infra/services.sh", "restart"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     assert (proc.returncode, proc.stderr) == (2, "usage: infra/services.sh start|stop|status\n")

@@ -20,8 +20,9 @@ from tests.integration.runs import all_samples, final_params, write_config
 
 def test_two_iterations_through_prefect(tmp_path):
     rid = f"flow2-{uuid.uuid4().hex[:8]}"  # Prefect artifacts outlive the test's lake: keys must be new
-    cfg = write_config(tmp_path, rid, {"run.iterations": 2, "lake.keep_optimizer_state": 1,
-                                         "resources.borrow_rollout_threads": True})
+    cfg = write_config(
+        tmp_path, rid, {"run.iterations": 2, "lake.keep_optimizer_state": 1, "resources.borrow_rollout_threads": True}
+    )
     summary = train_flow(config_path=cfg)
     lake_uri = str(tmp_path / "lake")
     lake = Lake(lake_uri)
@@ -31,8 +32,11 @@ def test_two_iterations_through_prefect(tmp_path):
     # the ephemeral Prefect API server this run started yields the CPU to rollout and training (nice 10)
     from prefect.server.api.server import SubprocessASGIServer
 
-    servers = [x.server_process for x in SubprocessASGIServer._instances.values()
-               if getattr(x, "server_process", None) is not None and x.server_process.poll() is None]
+    servers = [
+        x.server_process
+        for x in SubprocessASGIServer._instances.values()
+        if getattr(x, "server_process", None) is not None and x.server_process.poll() is None
+    ]
     assert servers and all(os.getpriority(os.PRIO_PROCESS, p.pid) >= 10 for p in servers)
 
     # every parameter tensor changed between v0 and v2
@@ -67,7 +71,8 @@ def test_two_iterations_through_prefect(tmp_path):
         for sh in rec["shards"]:
             rows = table_to_records(read_shard(lake, sh["path"], sh["checksum"]))
             chunks[int(sh["path"].rsplit("-", 1)[1].removesuffix(".arrow"))] = list(
-                dict.fromkeys(r.prompt_id for r in rows))
+                dict.fromkeys(r.prompt_id for r in rows)
+            )
             assert [r.seed for r in rows] == [sample_seed(3, r.iteration, r.prompt_id, r.sample_index) for r in rows]
         plan = rec["prompt_ids"]
         assert [chunks[i] for i in sorted(chunks)] == [plan[i : i + 2] for i in range(0, 8, 2)]
@@ -89,8 +94,15 @@ def test_two_iterations_through_prefect(tmp_path):
     acc_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy"))
     assert reward_steps == [0, 1]
     assert acc_steps == [0, 1, 2]
-    for name in ("loss/policy", "entropy/mean", "mismatch/logp_abs", "perf/samples_per_s", "time/first_shard_s",
-                 "perf/overhead_fraction", "staleness/max"):
+    for name in (
+        "loss/policy",
+        "entropy/mean",
+        "mismatch/logp_abs",
+        "perf/samples_per_s",
+        "time/first_shard_s",
+        "perf/overhead_fraction",
+        "staleness/max",
+    ):
         assert len(client.get_metric_history(run.info.run_id, name)) == 2, name
     # once its rollouts were in, each batch finished with the idle worker's thread too (1 + 1 on 2 cores)
     threads = client.get_metric_history(run.info.run_id, "train/threads")
@@ -107,7 +119,8 @@ def test_two_iterations_through_prefect(tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     with get_client(sync_client=True) as prefect:
-        arts = prefect.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[f"{rid}-iter-0", f"{rid}-iter-1"])))
+        arts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"{rid}-iter-0", f"{rid}-iter-1"]))
+        )
     assert sorted(a.key for a in arts) == [f"{rid}-iter-0", f"{rid}-iter-1"]
     assert all("lowest-reward samples" in a.data and "reward mean" in a.data for a in arts)

@@ -37,8 +37,15 @@ def _batch() -> list[RolloutGroup]:
         prompt = torch.randint(4, VOCAB, (6 + 3 * n,), generator=gen).tolist()
         lens = [1 + (2 * j + n) % 6 for j in range(4)]
         responses = [torch.randint(4, VOCAB, (k,), generator=gen).tolist() for k in lens]
-        groups.append(RolloutGroup(prompt, responses, torch.rand(4, generator=gen).tolist(),
-                                   [[-1.0] * k for k in lens], [[0] * k for k in lens]))
+        groups.append(
+            RolloutGroup(
+                prompt,
+                responses,
+                torch.rand(4, generator=gen).tolist(),
+                [[-1.0] * k for k in lens],
+                [[0] * k for k in lens],
+            )
+        )
     return groups
 
 
@@ -53,7 +60,8 @@ def _whole_batch(policy, ref, groups, advantage: str, loss_agg: str) -> dict:
         ref_logp = token_logprobs(packed_logits(ref, packed), packed.targets)
     adv = obj.compute_advantages(torch.tensor([g.rewards for g in groups]), advantage)[0].flatten()
     per_token = obj.policy_loss(logp, logp.detach(), adv, packed.mask)[0] + KL_COEF * obj.kl_divergence(
-        logp, ref_logp, "k3")
+        logp, ref_logp, "k3"
+    )
     loss = obj.aggregate(per_token, packed.mask, loss_agg, NORM_LEN)
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -85,8 +93,9 @@ def _accumulate(policy, ref, groups, settings: LossSettings, grad_clip: float, s
 
 @pytest.mark.parametrize("shared_prompt", [False, True])
 @pytest.mark.parametrize("advantage", ["grpo", "rloo"])
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                      "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 def test_accumulated_gradient_equals_the_whole_batch_loss_gradient(loss_agg, advantage, shared_prompt):
     policy, ref = build_tiny_model(VOCAB, seed=0, **TINY), build_tiny_model(VOCAB, seed=1, **TINY)
     groups = _batch()

@@ -26,8 +26,9 @@ def periodic(shared_dir):
 def test_async_with_zero_staleness_equals_periodic(shared_dir, periodic, prox):
     tmp_path = shared_dir
     per_params, per_samples = periodic
-    asy_params, asy_samples = _run(tmp_path, f"async0-{prox}", "async", **{"pipeline.max_staleness": 0,
-                                                                    "algorithm.prox_logp": prox})
+    asy_params, asy_samples = _run(
+        tmp_path, f"async0-{prox}", "async", **{"pipeline.max_staleness": 0, "algorithm.prox_logp": prox}
+    )
     assert asy_samples.keys() == per_samples.keys()
     for key, a in per_samples.items():
         b = asy_samples[key]
@@ -44,8 +45,9 @@ def test_stale_async_breaks_the_bound(shared_dir, periodic):
     version behind and the parameters leave the periodic run's."""
     tmp_path = shared_dir
     per_params, _ = periodic
-    cfg = write_config(tmp_path, "async1", {"pipeline.mode": "async", "pipeline.max_staleness": 1,
-                                            "run.iterations": ITERS})
+    cfg = write_config(
+        tmp_path, "async1", {"pipeline.mode": "async", "pipeline.max_staleness": 1, "run.iterations": ITERS}
+    )
     from flows.train import train_flow
 
     train_flow(config_path=cfg)

@@ -27,8 +27,9 @@ ITERS = 3
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _lockstep(args: list[str], tmp: Path, fault: str | None = None, survivors: list | None = None,
-              api: str | None = None) -> tuple[int, str]:
+def _lockstep(
+    args: list[str], tmp: Path, fault: str | None = None, survivors: list | None = None, api: str | None = None
+) -> tuple[int, str]:
     """Run the CLI in its own process group; afterwards kill whatever the run left behind (a SIGKILLed flow
     cannot stop its Prefect API server subprocess), so pipes close and nothing leaks into later tests. With
     `survivors`, first give the group 20 s to empty and put the command lines of what is still alive in it.
@@ -42,14 +43,21 @@ def _lockstep(args: list[str], tmp: Path, fault: str | None = None, survivors: l
         env["LOCKSTEP_FAULT"] = fault
     log = tmp / f"{args[0]}-{(fault or 'clean').replace('@', '-')}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=600)
             if survivors is not None:
                 deadline = time.monotonic() + 20
                 while (alive := [cmd for _, state, cmd in _group(proc.pid) if state != "Z"]) and (
-                        time.monotonic() < deadline):
+                    time.monotonic() < deadline
+                ):
                     time.sleep(0.2)
                 survivors.extend(alive)
         finally:
@@ -262,9 +270,20 @@ def test_async_run_killed_mid_train_resumes_within_the_staleness_bound(reference
     tmp, _ = reference
     run_id = "k-async"
     iters = 5
-    cfg = write_config(tmp, run_id, {"run.iterations": iters, "pipeline.mode": "async", "pipeline.max_staleness": 2,
-                                     "rollout.interrupt_on_update": True, "algorithm.prox_logp": "recompute"})
-    code, log = _lockstep(["train", cfg], tmp, fault="mid-train[2]@2", api=api)  # iteration 2, after 2 of its micro-steps
+    cfg = write_config(
+        tmp,
+        run_id,
+        {
+            "run.iterations": iters,
+            "pipeline.mode": "async",
+            "pipeline.max_staleness": 2,
+            "rollout.interrupt_on_update": True,
+            "algorithm.prox_logp": "recompute",
+        },
+    )
+    code, log = _lockstep(
+        ["train", cfg], tmp, fault="mid-train[2]@2", api=api
+    )  # iteration 2, after 2 of its micro-steps
     assert code == -9, log[-3000:]
     lake = Lake(str(tmp / "lake"))
     assert [r["state"] for r in ledger.read_all(lake, run_id)][:2] == ["promoted", "promoted"]
@@ -297,7 +316,9 @@ def test_rollouts_of_a_version_that_never_became_durable_are_set_aside(reference
     tmp, ref_params = reference
     run_id = "k-undurable"
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
-    code, log = _lockstep(["train", cfg], tmp, fault="mid-train[2]@2", api=api)  # iteration 2, after 2 of its micro-steps
+    code, log = _lockstep(
+        ["train", cfg], tmp, fault="mid-train[2]@2", api=api
+    )  # iteration 2, after 2 of its micro-steps
     assert code == -9, log[-3000:]
     lake_uri = str(tmp / "lake")
     lake = Lake(lake_uri)

@@ -78,8 +78,13 @@ def default_prompts(request):
     """The prompts of the default config and of the demo's, built exactly as tasks/session.py builds them."""
     t = load_config(None if request.param == "defaults" else REPO / "configs" / request.param).task
     train, held = build_splits(t.max_operand, tuple(t.ops), t.n_eval, t.split_seed)
-    return (train, held, make_train_prompts(train, t.n_shots, t.split_seed, t.shot_sets),
-            make_prompts(held, train, t.n_shots, t.split_seed + 1), t.n_shots)
+    return (
+        train,
+        held,
+        make_train_prompts(train, t.n_shots, t.split_seed, t.shot_sets),
+        make_prompts(held, train, t.n_shots, t.split_seed + 1),
+        t.n_shots,
+    )
 
 
 def test_prompt_length_in_tokens_is_100_to_200(default_prompts):

@@ -49,8 +49,15 @@ def env(tmp_path):
 
 
 def bench(module: str, *args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
-    p = subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=REPO, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -81,18 +88,29 @@ def test_unknown_flag_exits_2(module, env):
     assert not _marked(env[MARKER])
 
 
-@pytest.mark.parametrize(("module", "args", "message"), [
-    ("pipeline", ["--repeats", "0"], "--repeats 0: must be at least 1"),
-    ("pipeline", ["--iterations", "0", "--warmup", "0"], "--iterations 0: must be in [1, 100000]"),
-    ("pipeline", ["--iterations", "-5", "--warmup", "3"], "--iterations -5: must be in [1, 99997]"),
-    ("a3po", ["--iterations", "0", "--warmup", "0"], "--iterations 0: must be in [1, 100000]"),
-    # iterations 0..1 carry trainer versions 0 and 1, and the replayed train steps need one at version 2
-    ("a3po", ["--iterations", "2", "--warmup", "0"], "--iterations 2 with --warmup 0: the replayed train steps need"),
-    ("a3po", ["--skip-timing", "--accuracy-iterations", "0"], "--accuracy-iterations 0: must be in [1, 100000]"),
-    ("a3po", ["--skip-timing", "--accuracy-staleness", "2", "--seeds", "1", "1"], "--seeds 1 1: give each value once"),
-    ("resume", ["--iterations", "2"], "--iterations 2: must be in [3, 100000]"),
-    ("shared_prompt", ["--threads", "0"], "--threads 0: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    ("module", "args", "message"),
+    [
+        ("pipeline", ["--repeats", "0"], "--repeats 0: must be at least 1"),
+        ("pipeline", ["--iterations", "0", "--warmup", "0"], "--iterations 0: must be in [1, 100000]"),
+        ("pipeline", ["--iterations", "-5", "--warmup", "3"], "--iterations -5: must be in [1, 99997]"),
+        ("a3po", ["--iterations", "0", "--warmup", "0"], "--iterations 0: must be in [1, 100000]"),
+        # iterations 0..1 carry trainer versions 0 and 1, and the replayed train steps need one at version 2
+        (
+            "a3po",
+            ["--iterations", "2", "--warmup", "0"],
+            "--iterations 2 with --warmup 0: the replayed train steps need",
+        ),
+        ("a3po", ["--skip-timing", "--accuracy-iterations", "0"], "--accuracy-iterations 0: must be in [1, 100000]"),
+        (
+            "a3po",
+            ["--skip-timing", "--accuracy-staleness", "2", "--seeds", "1", "1"],
+            "--seeds 1 1: give each value once",
+        ),
+        ("resume", ["--iterations", "2"], "--iterations 2: must be in [3, 100000]"),
+        ("shared_prompt", ["--threads", "0"], "--threads 0: must be at least 1"),
+    ],
+)
 def test_bad_number_exits_2_naming_the_flag(module, args, message, env, tmp_path):
     work = ["--dir", str(tmp_path / "work")] if module in ("pipeline", "a3po") else []
     r = bench(module, *args, *work, env=env)
@@ -103,8 +121,9 @@ def test_bad_number_exits_2_naming_the_flag(module, args, message, env, tmp_path
 
 
 @pytest.mark.parametrize("module", ["pipeline", "a3po"])
-@pytest.mark.parametrize(("where", "reason"), [("file", "exists and is not a directory"),
-                                               ("file/sub", "cannot create {}: Not a directory")])
+@pytest.mark.parametrize(
+    ("where", "reason"), [("file", "exists and is not a directory"), ("file/sub", "cannot create {}: Not a directory")]
+)
 def test_unusable_dir_exits_2(module, where, reason, env, tmp_path):
     (tmp_path / "file").write_text("")
     path = tmp_path / where
@@ -117,8 +136,15 @@ def test_unusable_dir_exits_2(module, where, reason, env, tmp_path):
 def test_interrupted_resume_leaves_no_run_behind(sig, env):
     """The training run it starts is in its own session: only the benchmark can end it, and must on the way out."""
     # SIGINT is ignored in a background job's children; the benchmark must see it as a terminal's Ctrl-C
-    p = subprocess.Popen([sys.executable, "-m", "benchmarks.resume"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.resume"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 60
         while not _marked(env[MARKER], b"flows.cli"):

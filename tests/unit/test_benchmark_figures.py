@@ -21,8 +21,16 @@ def test_abba_alternates_which_configuration_goes_first():
 
 
 def _iteration(i: float) -> dict:
-    keys = ("time/iteration_s", "time/rollout_busy_s", "time/train_busy_s", "time/first_shard_s", "time/sync_s",
-            "perf/overhead_fraction", "perf/overlap_fraction", "perf/samples_per_s")
+    keys = (
+        "time/iteration_s",
+        "time/rollout_busy_s",
+        "time/train_busy_s",
+        "time/first_shard_s",
+        "time/sync_s",
+        "perf/overhead_fraction",
+        "perf/overlap_fraction",
+        "perf/samples_per_s",
+    )
     return {k: i * (n + 1) for n, k in enumerate(keys)}  # each figure its own multiple of i
 
 
@@ -30,27 +38,52 @@ def test_summarise_takes_medians_after_the_warmup():
     history = [_iteration(100.0), _iteration(3.0), _iteration(1.0), _iteration(2.0)]
     s = summarise("periodic", history, 1, repeats=2)
     # medians of 3, 1, 2 (times each figure's multiple); with the warm-up kept they would be of 100, 3, 1, 2: 2.5
-    assert s == {"mode": "periodic", "iterations_measured": 3, "iteration_s": 2.0, "rollout_busy_s": 4.0,
-                 "train_busy_s": 6.0, "first_shard_s": 8.0, "sync_s": 10.0, "overhead_fraction": 12.0,
-                 "overlap_fraction": 14.0, "samples_per_s": 16.0, "repeats": 2}
+    assert s == {
+        "mode": "periodic",
+        "iterations_measured": 3,
+        "iteration_s": 2.0,
+        "rollout_busy_s": 4.0,
+        "train_busy_s": 6.0,
+        "first_shard_s": 8.0,
+        "sync_s": 10.0,
+        "overhead_fraction": 12.0,
+        "overlap_fraction": 14.0,
+        "samples_per_s": 16.0,
+        "repeats": 2,
+    }
     assert summarise("sync", history, 0)["iteration_s"] == 2.5
 
 
 @pytest.mark.parametrize(("rollout", "train"), [(4.0, 6.0), (6.0, 4.0)])
 def test_comparison_bounds_by_the_longer_phase(rollout, train):
-    per = {"iteration_s": 8.25, "rollout_busy_s": rollout, "train_busy_s": train, "first_shard_s": 1.0,
-           "sync_s": 0.5, "overhead_fraction": 0.05}
+    per = {
+        "iteration_s": 8.25,
+        "rollout_busy_s": rollout,
+        "train_busy_s": train,
+        "first_shard_s": 1.0,
+        "sync_s": 0.5,
+        "overhead_fraction": 0.05,
+    }
     c = comparison({"iteration_s": 11.0}, per)
     assert c["bound_s"] == 7.5  # max(4, 6) + 1 + 0.5
     assert c["periodic_over_bound"] == pytest.approx(1.1)
     assert c["periodic_over_sync"] == pytest.approx(0.75)
-    assert c["targets"] == {"periodic_over_sync<=0.7": False, "periodic_over_bound<=1.15": True,
-                            "overhead_fraction<=0.05": True}  # at the overhead target's edge: met
+    assert c["targets"] == {
+        "periodic_over_sync<=0.7": False,
+        "periodic_over_bound<=1.15": True,
+        "overhead_fraction<=0.05": True,
+    }  # at the overhead target's edge: met
 
 
 def test_comparison_targets_at_and_past_their_edges():
-    per = {"iteration_s": 7.0, "rollout_busy_s": 5.0, "train_busy_s": 5.0, "first_shard_s": 1.0, "sync_s": 0.0,
-           "overhead_fraction": 0.051}
+    per = {
+        "iteration_s": 7.0,
+        "rollout_busy_s": 5.0,
+        "train_busy_s": 5.0,
+        "first_shard_s": 1.0,
+        "sync_s": 0.0,
+        "overhead_fraction": 0.051,
+    }
     c = comparison({"iteration_s": 10.0}, per)
     assert c["periodic_over_sync"] == 0.7 and c["targets"]["periodic_over_sync<=0.7"]
     assert c["periodic_over_bound"] == pytest.approx(7 / 6) and not c["targets"]["periodic_over_bound<=1.15"]
@@ -60,13 +93,23 @@ def test_comparison_targets_at_and_past_their_edges():
 
 
 def _metrics_iteration(reference: float, grad_abs: float, grad_abs_err: float) -> dict:
-    it = {"staleness/mean": reference * 10, "clip/fraction": reference / 10,
-          "prox/loglinear/reference_zeroed_fraction": reference}
-    for approx, shared, zeroed, err in (("loglinear", 0.05, 0.1, 0.01), ("linear", 0.1, 0.4, 0.02),
-                                        ("no_clip", 0.0, 0.0, None)):
+    it = {
+        "staleness/mean": reference * 10,
+        "clip/fraction": reference / 10,
+        "prox/loglinear/reference_zeroed_fraction": reference,
+    }
+    for approx, shared, zeroed, err in (
+        ("loglinear", 0.05, 0.1, 0.01),
+        ("linear", 0.1, 0.4, 0.02),
+        ("no_clip", 0.0, 0.0, None),
+    ):
         p = f"prox/{approx}/"
-        it |= {p + "zeroed_shared_fraction": shared, p + "zeroed_fraction": zeroed, p + "grad_abs": grad_abs,
-               p + "grad_abs_err": grad_abs_err}
+        it |= {
+            p + "zeroed_shared_fraction": shared,
+            p + "zeroed_fraction": zeroed,
+            p + "grad_abs": grad_abs,
+            p + "grad_abs_err": grad_abs_err,
+        }
         if err is not None:
             it |= {p + "abs_err": err, p + "gap_ratio": err * 30}
     return it
@@ -79,26 +122,36 @@ def test_approximation_errors_pool_the_runs_iterations_and_take_ratios_of_means(
     assert e["reference_zeroed"] == pytest.approx(0.3)  # (0.1 + 0.2 + 0.6) / 3; the runs' means averaged: 0.25
     assert e["staleness_mean"] == pytest.approx(3.0) and e["clip_fraction"] == pytest.approx(0.03)
     # grad_rel_err: mean error 2 over mean |coefficient| 4 = 0.5 (the mean of per-iteration ratios would be 0.875)
-    assert e["loglinear"] == pytest.approx({"grad_rel_err": 0.5, "zeroed": 0.1, "recall": 0.05 / 0.3,
-                                            "precision": 0.5, "abs_err": 0.01, "gap_ratio": 0.3})
-    assert e["linear"] == pytest.approx({"grad_rel_err": 0.5, "zeroed": 0.4, "recall": 0.1 / 0.3, "precision": 0.25,
-                                         "abs_err": 0.02, "gap_ratio": 0.6})
+    assert e["loglinear"] == pytest.approx(
+        {"grad_rel_err": 0.5, "zeroed": 0.1, "recall": 0.05 / 0.3, "precision": 0.5, "abs_err": 0.01, "gap_ratio": 0.3}
+    )
+    assert e["linear"] == pytest.approx(
+        {"grad_rel_err": 0.5, "zeroed": 0.4, "recall": 0.1 / 0.3, "precision": 0.25, "abs_err": 0.02, "gap_ratio": 0.6}
+    )
     # no trust region zeroes nothing: its precision is undefined (null), and it has no proximal error of its own
     assert e["no_clip"] == {"grad_rel_err": 0.5, "zeroed": 0.0, "recall": 0.0, "precision": None}
 
 
 def test_accuracy_figures_average_each_runs_staleness_then_the_runs():
-    runs = [{"eval_accuracy_final": 0.5, "eval_accuracy_initial": 0.1,
-             "history": [{"staleness/mean": 1.0}, {"staleness/mean": 3.0}]},
-            {"eval_accuracy_final": 0.6, "eval_accuracy_initial": 0.2, "history": [{"staleness/mean": 4.0}]}]
+    runs = [
+        {
+            "eval_accuracy_final": 0.5,
+            "eval_accuracy_initial": 0.1,
+            "history": [{"staleness/mean": 1.0}, {"staleness/mean": 3.0}],
+        },
+        {"eval_accuracy_final": 0.6, "eval_accuracy_initial": 0.2, "history": [{"staleness/mean": 4.0}]},
+    ]
     f = accuracy_figures(runs)
     assert f.pop("accuracies") == [0.5, 0.6]
-    assert f == pytest.approx({"accuracy_mean": 0.55, "accuracy_initial_mean": 0.15,
-                               "staleness_mean": 3.0})  # (2 + 4) / 2; the iterations pooled would give 8/3
+    assert f == pytest.approx(
+        {"accuracy_mean": 0.55, "accuracy_initial_mean": 0.15, "staleness_mean": 3.0}
+    )  # (2 + 4) / 2; the iterations pooled would give 8/3
 
 
-@pytest.mark.parametrize(("loglinear", "recompute", "met"), [(0.50, 0.53, False), (0.53, 0.50, False),
-                                                            (0.50, 0.515, True), (0.52, 0.51, True)])
+@pytest.mark.parametrize(
+    ("loglinear", "recompute", "met"),
+    [(0.50, 0.53, False), (0.53, 0.50, False), (0.50, 0.515, True), (0.52, 0.51, True)],
+)
 def test_accuracy_gap_either_way(loglinear, recompute, met):
     gap = accuracy_gap({"accuracy_mean": loglinear}, {"accuracy_mean": recompute})
     assert gap["accuracy_gap"] == pytest.approx(abs(loglinear - recompute))  # loglinear below recompute: positive
@@ -110,18 +163,32 @@ def test_speedup_figures_median_and_quartiles_of_per_batch_ratios():
     prox = {"loglinear": [0.001, 0.003, 0.002], "recompute": [0.5, 0.1, 0.4, 0.2]}
     f = speedup_figures([1.5, 1.0, 2.0, 1.2, 1.1], times, prox)
     # sorted 1.0 1.1 1.2 1.5 2.0: quartiles at positions 1.5 and 4.5 of 5 (statistics.quantiles' exclusive method)
-    assert f == pytest.approx({"train_step_speedup": 1.2, "batches": 5, "speedup_q1": 1.05, "speedup_q3": 1.75,
-                               "train_step_s_loglinear": 2.5, "train_step_s_recompute": 2.0,
-                               "prox_s_loglinear": 0.002, "prox_s_recompute": 0.3})
+    assert f == pytest.approx(
+        {
+            "train_step_speedup": 1.2,
+            "batches": 5,
+            "speedup_q1": 1.05,
+            "speedup_q3": 1.75,
+            "train_step_s_loglinear": 2.5,
+            "train_step_s_recompute": 2.0,
+            "prox_s_loglinear": 0.002,
+            "prox_s_recompute": 0.3,
+        }
+    )
     one = speedup_figures([1.3], {"loglinear": [1.0], "recompute": [1.3]}, {"loglinear": [0.0], "recompute": [0.2]})
     assert (one["train_step_speedup"], one["speedup_q1"], one["speedup_q3"], one["batches"]) == (1.3, 1.3, 1.3, 1)
 
 
 def test_shared_prompt_point_figures():
     f = point_figures(128, 16, 4, unshared=[3.0, 2.0, 4.5], shared=[1.0, 1.0, 2.0])
-    assert f == {"ideal_ratio": 3.0,  # 4 * 144 / (128 + 64)
-                 "speedup": 3.0,  # median 3 over median 1; the mean of the pairs' ratios would be 7.25/3
-                 "speedup_pair_range": [2.0, 3.0], "speedup_best": 2.0, "step_s_unshared": 3.0, "step_s_shared": 1.0}
+    assert f == {
+        "ideal_ratio": 3.0,  # 4 * 144 / (128 + 64)
+        "speedup": 3.0,  # median 3 over median 1; the mean of the pairs' ratios would be 7.25/3
+        "speedup_pair_range": [2.0, 3.0],
+        "speedup_best": 2.0,
+        "step_s_unshared": 3.0,
+        "step_s_shared": 1.0,
+    }
     with pytest.raises(ValueError):  # repeats that do not pair up are a bug, not a figure
         point_figures(128, 16, 4, unshared=[1.0, 2.0], shared=[1.0])
 
@@ -129,8 +196,11 @@ def test_shared_prompt_point_figures():
 def test_shared_prompt_targets():
     ideal = 16 * 1040 / (1024 + 256)  # 13.0 at P=1024, R=16, G=16: the speedup target is 0.6 * 13 = 7.8
     met = targets({(1024, 16, 16): (ideal, 7.9), (128, 16, 4): (3.0, 1.0)})
-    assert met == {"targets": {"speedup >= 0.6*ideal at P=1024,R=16,G=16": True, "speedup >= 1.0 everywhere": True},
-                   "speedup_at_1024_16_16": 7.9, "ideal_at_1024_16_16": 13.0}
+    assert met == {
+        "targets": {"speedup >= 0.6*ideal at P=1024,R=16,G=16": True, "speedup >= 1.0 everywhere": True},
+        "speedup_at_1024_16_16": 7.9,
+        "ideal_at_1024_16_16": 13.0,
+    }
     edge = targets({(1024, 16, 16): (ideal, 7.8), (128, 16, 4): (3.0, 1.0)})["targets"]  # 0.6 * 13 is 7.8 exactly
     assert edge == {"speedup >= 0.6*ideal at P=1024,R=16,G=16": True, "speedup >= 1.0 everywhere": True}
     missed = targets({(1024, 16, 16): (ideal, 7.7), (128, 16, 4): (3.0, 0.99)})["targets"]
@@ -139,5 +209,9 @@ def test_shared_prompt_targets():
 
 def test_resume_figures_charge_only_what_the_left_iterations_do_not_explain():
     assert resume_figures(resume_s=50.0, iteration_s=10.0, left=4) == {
-        "iteration_s": 10.0, "resume_s": 50.0, "iterations_after_resume": 4, "resume_setup_s": 10.0,
-        "resume_setup_over_iteration": 1.0}
+        "iteration_s": 10.0,
+        "resume_s": 50.0,
+        "iterations_after_resume": 4,
+        "resume_setup_s": 10.0,
+        "resume_setup_over_iteration": 1.0,
+    }

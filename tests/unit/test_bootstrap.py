@@ -112,8 +112,9 @@ def test_greedy_answers_are_the_argmax_continuations_in_any_batch_size(peaked, t
     expected = [argmax_continuation(peaked, p, 6, {EOS}) for p in prompts]
     assert len({tuple(e) for e in expected}) > 1
     for batch_size in (2, 64):
-        got = greedy_answers(peaked, prompts, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD,
-                             batch_size=batch_size)
+        got = greedy_answers(
+            peaked, prompts, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, batch_size=batch_size
+        )
         assert got == expected, batch_size
     assert not peaked.training
 

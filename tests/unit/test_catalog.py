@@ -14,8 +14,14 @@ from storage.lake import Lake
 
 def _samples(iteration: int, reward: float = 0.5, run: str = "r") -> pa.Table:
     ids = [f"{run}/{iteration}/{g}/{j}" for g in range(4) for j in range(8)]
-    return pa.table({"sample_id": ids, "iteration": [iteration] * len(ids), "reward": [reward] * len(ids),
-                     "prompt_ids": [[1, 2, 3]] * len(ids)})
+    return pa.table(
+        {
+            "sample_id": ids,
+            "iteration": [iteration] * len(ids),
+            "reward": [reward] * len(ids),
+            "prompt_ids": [[1, 2, 3]] * len(ids),
+        }
+    )
 
 
 def _shards(iteration: int, run: str = "r") -> pa.Table:
@@ -130,13 +136,13 @@ def test_a_catalog_write_cut_short_is_finished_by_the_next(tmp_path):
     assert len(catalog.query(uri, catalog.SHARDS).to_pylist()) == 2  # merged into the unindexed table, once
 
     # killed after the samples' upsert of iteration 1, before its shards and tags
-    catalog._upsert(lancedb.connect(uri), catalog.ROLLOUTS, _samples(1, 0.5).drop_columns(["prompt_ids"]),
-                    "sample_id")
+    catalog._upsert(lancedb.connect(uri), catalog.ROLLOUTS, _samples(1, 0.5).drop_columns(["prompt_ids"]), "sample_id")
     catalog.write_iteration(uri, _samples(1, 0.5), _shards(1), version=2)
     rows = catalog.query(uri, catalog.ROLLOUTS).to_pylist()
     assert len(rows) == 64 == len({r["sample_id"] for r in rows})
     assert sorted(r["path"] for r in catalog.query(uri, catalog.SHARDS).to_pylist()) == [
-        f"r/s/{i}/{j}.arrow" for i in range(2) for j in range(2)]
+        f"r/s/{i}/{j}.arrow" for i in range(2) for j in range(2)
+    ]
     db = lancedb.connect(uri)
     for name in (catalog.ROLLOUTS, catalog.SHARDS):
         assert {"v1", "v2"} <= set(db.open_table(name).tags.list())

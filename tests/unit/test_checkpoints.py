@@ -230,7 +230,7 @@ def test_promote_refuses_incomplete_checkpoint_and_keeps_previous(tiny_hf, lake)
     assert json.loads(Path(lake.promoted_file(RUN)).read_text()) == {"version": 1}
 
 
-@pytest.mark.parametrize("content", ['{"v": 1}', "{bad", '{"version": "2"}', '[1]'])
+@pytest.mark.parametrize("content", ['{"v": 1}', "{bad", '{"version": "2"}', "[1]"])
 def test_a_damaged_promoted_file_is_named(tiny_hf, lake, content):
     save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
     promote(lake, RUN, 1)
@@ -496,7 +496,8 @@ def test_local_copy_of_a_remote_lake_is_never_partial(tiny_hf, tmp_path, monkeyp
     assert os.listdir(cache) == [os.path.basename(copy)]
     manifest = json.loads(Path(copy, "MANIFEST.json").read_text())
     assert sorted(str(p.relative_to(copy)) for p in Path(copy).rglob("*") if p.is_file()) == sorted(
-        [*manifest, "MANIFEST.json"])
+        [*manifest, "MANIFEST.json"]
+    )
     # the model's files with their digests, not the trainer state (most of a checkpoint with optimizer moments)
     source = json.loads(lake.fs.cat_file(f"{path}/MANIFEST.json"))
     assert manifest == {k: v for k, v in source.items() if not k.startswith("trainer_state/")}
@@ -508,7 +509,8 @@ def test_local_copy_of_a_remote_lake_is_never_partial(tiny_hf, tmp_path, monkeyp
     fresh = local_copy(lake, path, str(cache))
     assert fresh != copy
     assert load_weights(lake, path)["model.embed_tokens.weight"].equal(
-        load_weights(Lake(str(tmp_path)), fresh)["model.embed_tokens.weight"])
+        load_weights(Lake(str(tmp_path)), fresh)["model.embed_tokens.weight"]
+    )
 
 
 def test_local_copy_refuses_a_download_that_does_not_match_the_manifest(tiny_hf, tmp_path, monkeypatch):

@@ -47,8 +47,10 @@ def no_replay(monkeypatch):
 
 def test_replay_of_a_missing_run(lake_with_run, capsys, no_replay):
     assert cli.main(["replay", "ghost", "--lake", str(lake_with_run)]) == 2
-    assert squash(f"error: cannot replay 'ghost': run ghost does not exist in lake {lake_with_run} "
-                  f"({lake_with_run}/runs/ghost/config.json is missing)") in cli_stderr(capsys)
+    assert squash(
+        f"error: cannot replay 'ghost': run ghost does not exist in lake {lake_with_run} "
+        f"({lake_with_run}/runs/ghost/config.json is missing)"
+    ) in cli_stderr(capsys)
     assert not (lake_with_run / "runs" / "ghost").exists()
 
 
@@ -94,21 +96,25 @@ def test_audit_refuses_a_negative_limit_and_a_run_without_catalog(lake_with_run,
     assert not (lake_with_run / "runs" / "r1" / "catalog").exists()  # LanceDB created an empty one before
 
 
-@pytest.mark.parametrize("where, why", [
-    ("reward >= 0) OR (reward > 5", "the ')' at character 12 closes nothing"),  # escaped the version filter
-    ("(reward > 0", "1 '(' not closed"),
-    ("finish_reason = 'stop", "a ' string is not closed"),
-    # a comment hid a ')' from the count and escaped the version filter
-    ("reward > 0 /* ( */ ) OR (reward > 0.4 /* ) */", "comments (/* at character 12) are not accepted"),
-    ("reward > 0 -- (", "comments (-- at character 12) are not accepted"),
-])
+@pytest.mark.parametrize(
+    "where, why",
+    [
+        ("reward >= 0) OR (reward > 5", "the ')' at character 12 closes nothing"),  # escaped the version filter
+        ("(reward > 0", "1 '(' not closed"),
+        ("finish_reason = 'stop", "a ' string is not closed"),
+        # a comment hid a ')' from the count and escaped the version filter
+        ("reward > 0 /* ( */ ) OR (reward > 0.4 /* ) */", "comments (/* at character 12) are not accepted"),
+        ("reward > 0 -- (", "comments (-- at character 12) are not accepted"),
+    ],
+)
 def test_audit_refuses_a_filter_that_would_escape_the_version_filter(lake_with_run, capsys, where, why):
     assert cli.main(["audit", "r1", "--lake", str(lake_with_run), "--version", "1", "--where", where]) == 2
     assert squash(f"error: --where {where!r}: {why}") in cli_stderr(capsys)
 
 
-@pytest.mark.parametrize("where", ["reward > 0 AND (finish_reason = ')')", "response_text LIKE '%it''s (%'",
-                                   '"reward" > 0', "(a) AND ((b))"])
+@pytest.mark.parametrize(
+    "where", ["reward > 0 AND (finish_reason = ')')", "response_text LIKE '%it''s (%'", '"reward" > 0', "(a) AND ((b))"]
+)
 def test_parentheses_in_strings_and_names_are_not_counted(where):
     assert cli._unbalanced(where) is None
 
@@ -120,10 +126,21 @@ def test_audit_table_shows_brackets_as_written(lake_with_run, capsys, monkeypatc
     from storage import catalog
 
     (lake_with_run / "runs" / "r1" / "catalog").mkdir()
-    row = {"sample_id": "s[i]", "policy_version": 1, "iteration": 0, "prompt_id": "p[b]:x:", "sample_index": 0,
-           "reward": 0.5, "advantage": -0.25, "finish_reason": "stop", "response_text": "[b]19[/b]", "worker": 0}
-    monkeypatch.setattr(catalog, "query", lambda uri, table, where, limit, columns: pa.Table.from_pylist(
-        [{c: row[c] for c in columns}]))
+    row = {
+        "sample_id": "s[i]",
+        "policy_version": 1,
+        "iteration": 0,
+        "prompt_id": "p[b]:x:",
+        "sample_index": 0,
+        "reward": 0.5,
+        "advantage": -0.25,
+        "finish_reason": "stop",
+        "response_text": "[b]19[/b]",
+        "worker": 0,
+    }
+    monkeypatch.setattr(
+        catalog, "query", lambda uri, table, where, limit, columns: pa.Table.from_pylist([{c: row[c] for c in columns}])
+    )
     monkeypatch.setenv("COLUMNS", "300")  # one line per row: the cells are not wrapped
     assert cli.main(["audit", "r1", "--lake", str(lake_with_run)]) == 0
     out = capsys.readouterr().out
@@ -188,15 +205,19 @@ def test_runs_of_a_lake_that_is_not_there(tmp_path, capsys, what):
 # ------------------------------------------------------------------------------------------------ --lake URLs
 
 
-@pytest.mark.parametrize("argv", [["runs"], ["resume", "r1"], ["replay", "r1"], ["audit", "r1"], ["report", "r1"],
-                                  ["export", "r1", "--out", "x"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["runs"], ["resume", "r1"], ["replay", "r1"], ["audit", "r1"], ["report", "r1"], ["export", "r1", "--out", "x"]],
+)
 @pytest.mark.parametrize("url", ["nosuchfs://lake", "simplecache::nosuchfs://lake"])
 def test_a_lake_url_without_a_filesystem_is_one_error_line(argv, url, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main([*argv, "--lake", url]) == 2  # was a ValueError or ImportError traceback from fsspec
-    assert squash(f"error: {'cannot replay ' + repr('r1') + ': ' if argv[0] == 'replay' else ''}lake {url!r}: "
-                  "Protocol not known: nosuchfs; give a local directory or an fsspec URL whose filesystem is "
-                  "installed (s3:// needs s3fs") in cli_stderr(capsys)
+    assert squash(
+        f"error: {'cannot replay ' + repr('r1') + ': ' if argv[0] == 'replay' else ''}lake {url!r}: "
+        "Protocol not known: nosuchfs; give a local directory or an fsspec URL whose filesystem is "
+        "installed (s3:// needs s3fs"
+    ) in cli_stderr(capsys)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -215,8 +236,10 @@ def test_gpu_config_without_vllm_names_the_install_command_first(capsys, tmp_pat
     gpu = str(Path(ARITH).with_name("qwen2.5-1.5b-gsm8k.yaml"))
     assert cli.main(["train", gpu, "-o", f"lake.uri={tmp_path / 'lake'}"]) == 2
     # the extras in brackets are text, not rich markup (which swallowed them)
-    assert squash("error: rollout.engine is 'vllm' but vLLM is not installed: pip install 'lockstep-rl[cuda]' (CUDA) "
-                  "or 'lockstep-rl[npu]' (Ascend, with vllm-ascend); or set rollout.engine=builtin") in cli_stderr(capsys)
+    assert squash(
+        "error: rollout.engine is 'vllm' but vLLM is not installed: pip install 'lockstep-rl[cuda]' (CUDA) "
+        "or 'lockstep-rl[npu]' (Ascend, with vllm-ascend); or set rollout.engine=builtin"
+    ) in cli_stderr(capsys)
     assert not (tmp_path / "lake").exists()
 
 
@@ -229,13 +252,23 @@ def test_error_quotes_a_bad_value_as_written(capsys):
 # ------------------------------------------------------------------------------------------------ report
 
 
-@pytest.mark.parametrize("tracking, expected", [
-    ({"enabled": False}, "error: run r1 was trained with tracking.enabled=false: it has no MLflow records to report"),
-    ({"enabled": True, "uri": "sqlite:///mlflow.db"}, "error: no MLflow database at {cwd}/mlflow.db (tracking.uri "
-     "'sqlite:///mlflow.db'; a relative path is read from the directory the command runs in"),
-])
-def test_report_without_mlflow_records_says_why_and_writes_nothing(lake_with_run, tmp_path, capsys, monkeypatch,
-                                                                   tracking, expected):
+@pytest.mark.parametrize(
+    "tracking, expected",
+    [
+        (
+            {"enabled": False},
+            "error: run r1 was trained with tracking.enabled=false: it has no MLflow records to report",
+        ),
+        (
+            {"enabled": True, "uri": "sqlite:///mlflow.db"},
+            "error: no MLflow database at {cwd}/mlflow.db (tracking.uri "
+            "'sqlite:///mlflow.db'; a relative path is read from the directory the command runs in",
+        ),
+    ],
+)
+def test_report_without_mlflow_records_says_why_and_writes_nothing(
+    lake_with_run, tmp_path, capsys, monkeypatch, tracking, expected
+):
     overrides = ["run.run_id=r1"] + [f"tracking.{k}={v}" for k, v in tracking.items()]
     (lake_with_run / "runs" / "r1" / "config.json").write_text(resolved_json(load_config(None, overrides)))
     cwd = tmp_path / "elsewhere"
@@ -293,8 +326,14 @@ def test_serve_with_an_unreachable_prefect_api(tmp_path):
     port = free_port()
     env = dict(os.environ, PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "serve", ARITH], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "serve", ARITH],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert f"error: the Prefect API at PREFECT_API_URL=http://127.0.0.1:{port}/api is unreachable" in proc.stderr
@@ -303,12 +342,16 @@ def test_serve_with_an_unreachable_prefect_api(tmp_path):
 # ------------------------------------------------------------------------------------------------ train
 
 
-@pytest.mark.parametrize("error", [DatasetError("train.jsonl, row 40: empty 'question' (set data.on_bad_row: skip "
-                                                "to skip such rows)"),
-                                   ConfigError("task.dataset.uri: train.jsonl: no usable rows"),
-                                   CheckpointError("runs/r1/checkpoints/PROMOTED is damaged (KeyError: 'version')"),
-                                   FileNotFoundError("runs/r1/checkpoints/v000003/MANIFEST.json")],
-                         ids=["dataset", "config", "checkpoint", "missing-file"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        DatasetError("train.jsonl, row 40: empty 'question' (set data.on_bad_row: skip to skip such rows)"),
+        ConfigError("task.dataset.uri: train.jsonl: no usable rows"),
+        CheckpointError("runs/r1/checkpoints/PROMOTED is damaged (KeyError: 'version')"),
+        FileNotFoundError("runs/r1/checkpoints/v000003/MANIFEST.json"),
+    ],
+    ids=["dataset", "config", "checkpoint", "missing-file"],
+)
 def test_train_input_error_inside_the_flow_exits_2(monkeypatch, capsys, tmp_path, error):
     import flows.train
 
@@ -323,21 +366,25 @@ def test_train_input_error_inside_the_flow_exits_2(monkeypatch, capsys, tmp_path
 def test_train_of_an_existing_run_prints_one_line_not_prefects_traceback(lake_with_run, capfd):
     # the real flow (Prefect's engine and loggers): open_session finds runs/r1 and raises RunExistsError, which
     # Prefect logged with its traceback ("Encountered exception during execution") before the CLI's own line
-    code = cli.main(["train", ARITH, "-o", f"lake.uri={lake_with_run}", "-o", "run.run_id=r1",
-                     "-o", "tracking.enabled=false"])
+    code = cli.main(
+        ["train", ARITH, "-o", f"lake.uri={lake_with_run}", "-o", "run.run_id=r1", "-o", "tracking.enabled=false"]
+    )
     err = capfd.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err and "Encountered exception" not in err
     assert squash(f"error: run r1 already exists in {lake_with_run}: continue it with `lockstep resume r1") in (
-        squash(err))
+        squash(err)
+    )
 
 
 def test_prefects_crash_line_for_a_stop_is_left_to_the_cli_and_other_crashes_are_kept(caplog):
     # Ctrl-C and SIGTERM: the CLI prints "interrupted: ... lockstep resume ..."; Prefect's ERROR "Crash detected!"
     # line before it read as a failure. A crash of another cause (SystemExit in a task) is still logged.
-    stops = ["Crash detected! Execution was aborted by an interrupt signal.",
-             "Crash detected! Execution was aborted by a termination signal.",
-             "Finished in state Crashed('Execution was aborted by a termination signal.')"]
+    stops = [
+        "Crash detected! Execution was aborted by an interrupt signal.",
+        "Crash detected! Execution was aborted by a termination signal.",
+        "Finished in state Crashed('Execution was aborted by a termination signal.')",
+    ]
     other = "Crash detected! Execution was aborted by Python system exit call."
     with caplog.at_level(logging.ERROR), cli._reported_by_cli(ValueError):
         for name in ("prefect.flow_runs", "prefect.task_runs"):
@@ -369,8 +416,10 @@ def test_ctrl_c_in_replay_says_what_its_target_keeps(monkeypatch, capsys, lake_w
     (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000" / "MANIFEST.json").write_text("{}")
     (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
     assert cli.main(["replay", "r1", "--lake", str(lake_with_run), "--to", "r9"]) == 130
-    assert squash("interrupted: replay of r1 stopped; r9 keeps the versions replayed so far (replay refuses an "
-                  "existing target: choose another --to)") in cli_stderr(capsys)
+    assert squash(
+        "interrupted: replay of r1 stopped; r9 keeps the versions replayed so far (replay refuses an "
+        "existing target: choose another --to)"
+    ) in cli_stderr(capsys)
 
 
 def test_output_cut_by_a_closed_pipe_ends_quietly(tmp_path):
@@ -378,8 +427,14 @@ def test_output_cut_by_a_closed_pipe_ends_quietly(tmp_path):
     for i in range(3000):
         (tmp_path / "lake" / "runs" / f"r{i:04d}").mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "runs", "--lake", str(tmp_path / "lake")],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "runs", "--lake", str(tmp_path / "lake")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().startswith("r0000 ")
     proc.stdout.close()  # what `head -1` does
     err = proc.stderr.read()
@@ -390,10 +445,13 @@ def test_output_cut_by_a_closed_pipe_ends_quietly(tmp_path):
 # ------------------------------------------------------------------------------------------------ resume
 
 
-@pytest.mark.parametrize("frozen, expected", [
-    ('{"run": {"run_id": "r1", "iterations": 0}}', "run.iterations: Input should be greater than or equal to 1"),
-    ('{"run": ', "is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "frozen, expected",
+    [
+        ('{"run": {"run_id": "r1", "iterations": 0}}', "run.iterations: Input should be greater than or equal to 1"),
+        ('{"run": ', "is not valid YAML"),
+    ],
+)
 def test_resume_of_a_bad_frozen_config_names_the_file_in_the_lake(lake_with_run, capsys, frozen, expected):
     config = lake_with_run / "runs" / "r1" / "config.json"
     config.write_text(frozen)
@@ -420,8 +478,14 @@ def test_resume_runs_from_the_lake_it_is_given_whatever_its_model_path_now_is(la
 
     def flow(config_path, overrides, resume):
         seen.update(cfg=load_config(config_path, overrides), resume=resume)
-        return {"eval_accuracy_initial": 0.5, "eval_accuracy_final": 0.6, "samples_per_s": 1.0,
-                "promoted_version": 3, "run_id": "r1", "summary_path": "s"}
+        return {
+            "eval_accuracy_initial": 0.5,
+            "eval_accuracy_final": 0.6,
+            "samples_per_s": 1.0,
+            "promoted_version": 3,
+            "run_id": "r1",
+            "summary_path": "s",
+        }
 
     monkeypatch.setattr(flows.train, "train_flow", flow)
     assert cli.main(["resume", "r1", "--lake", str(lake_with_run)]) == 0

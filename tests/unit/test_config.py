@@ -59,7 +59,11 @@ def test_arith_tiny_values():
     cfg = load_config(REPO / "configs" / "arith-tiny.yaml")
     assert cfg.run.name == "arith-tiny" and cfg.run.iterations == 300
     assert (cfg.trainer.lr, cfg.trainer.lr_schedule, cfg.trainer.warmup_steps, cfg.trainer.min_lr_ratio) == (
-        2.0e-4, "cosine", 10, 0.1)
+        2.0e-4,
+        "cosine",
+        10,
+        0.1,
+    )
     assert cfg.model.path is None and cfg.model.tiny.hidden_size == 128 and cfg.model.tiny.num_kv_heads == 2
     assert cfg.bootstrap.lr == 3.0e-3 and isinstance(cfg.bootstrap.lr, float) and cfg.bootstrap.target_accuracy == 0.5
     assert cfg.bootstrap.steps == 800 and cfg.task.n_shots == 6 and cfg.task.shot_sets == 4
@@ -74,7 +78,9 @@ def test_defaults():
     assert cfg.lake.uri == "./lake" and cfg.lake.compression is None
     assert cfg.trainer.lr == 1e-4 and cfg.trainer.grad_clip == 1.0 and cfg.trainer.device == "auto"
     assert cfg.rollout.group_size == 8 and cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0
-    assert cfg.task.ops == ["+"] and cfg.task.n_shots == 8 and cfg.task.shot_sets == 1 and cfg.task.partial_credit == 0.5
+    assert (
+        cfg.task.ops == ["+"] and cfg.task.n_shots == 8 and cfg.task.shot_sets == 1 and cfg.task.partial_credit == 0.5
+    )
     assert cfg.pipeline.mode == "periodic" and cfg.pipeline.max_staleness == 0
     assert cfg.algorithm.advantage == "grpo" and cfg.algorithm.loss_agg == "token-mean"
 
@@ -110,9 +116,11 @@ def test_exponent_strings_become_numbers_only_in_number_fields(tmp_path):
     cfg = load_config(write(tmp_path, "run:\n  run_id: 5e2\n  iterations: 2e1\ntrainer:\n  lr: 1e-5\n", "ok.yaml"))
     assert (cfg.run.run_id, cfg.run.iterations, cfg.trainer.lr) == ("5e2", 20, 1e-5)
     assert "run.iterations: Input should be a valid integer, got a number with a fractional part (got 1.5)" in (
-        load_error(None, ["run.iterations=1.5e0"]))
+        load_error(None, ["run.iterations=1.5e0"])
+    )
     assert "run.iterations: Input should be a valid integer, unable to parse string as an integer (got '1x3')" in (
-        load_error(None, ["run.iterations=1x3"]))
+        load_error(None, ["run.iterations=1x3"])
+    )
 
 
 def test_override_literal_int_bool_null():
@@ -306,10 +314,22 @@ def test_cross_field_hidden_size_divisible_by_heads(tmp_path):
 
 def test_interrupt_needs_async():
     assert "rollout.interrupt_on_update applies to mode 'async' only" in load_error(
-        None, ["rollout.interrupt_on_update=true"])
-    cfg = load_config(None, ["pipeline.mode=async", "pipeline.max_staleness=2", "rollout.interrupt_on_update=true",
-                             "algorithm.prox_logp=metrics"])
-    assert (cfg.pipeline.max_staleness, cfg.rollout.interrupt_on_update, cfg.algorithm.prox_logp) == (2, True, "metrics")
+        None, ["rollout.interrupt_on_update=true"]
+    )
+    cfg = load_config(
+        None,
+        [
+            "pipeline.mode=async",
+            "pipeline.max_staleness=2",
+            "rollout.interrupt_on_update=true",
+            "algorithm.prox_logp=metrics",
+        ],
+    )
+    assert (cfg.pipeline.max_staleness, cfg.rollout.interrupt_on_update, cfg.algorithm.prox_logp) == (
+        2,
+        True,
+        "metrics",
+    )
 
 
 def test_shot_sets_need_arithmetic_shots():
@@ -321,7 +341,8 @@ def test_shot_sets_need_arithmetic_shots():
 
 def test_vllm_engine_refuses_interruption():
     assert "rollout.interrupt_on_update needs rollout.engine 'builtin'" in load_error(
-        None, ["rollout.engine=vllm", "pipeline.mode=async", "rollout.interrupt_on_update=true"])
+        None, ["rollout.engine=vllm", "pipeline.mode=async", "rollout.interrupt_on_update=true"]
+    )
 
 
 def test_validate_assignment_guards_later_edits():
@@ -353,21 +374,31 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path):
 
     from configs.schema import _Loader
 
-    assert yaml.load(p.read_text() + "t: {<<: *b, lr: 0.25}\n", Loader=_Loader)["t"] == {"lr": 0.25,
-                                                                                       "weight_decay": 0.1}
+    assert yaml.load(p.read_text() + "t: {<<: *b, lr: 0.25}\n", Loader=_Loader)["t"] == {
+        "lr": 0.25,
+        "weight_decay": 0.1,
+    }
 
 
 def test_cross_field_error_does_not_print_the_whole_config(tmp_path):
     p = write(tmp_path, "task:\n  kind: dataset\n")
     msg = load_error(p)
-    assert msg == (f"invalid config {p}:\n"
-                   "  (top level): task.kind 'dataset' needs a task.dataset section with at least `uri`")
+    assert msg == (
+        f"invalid config {p}:\n  (top level): task.kind 'dataset' needs a task.dataset section with at least `uri`"
+    )
 
 
 def test_template_must_contain_question(tmp_path):
     base = "task:\n  kind: dataset\n  dataset:\n    uri: x.jsonl\n    template: "
-    for template in ['"hello"', '"{foo}"', '"{0}"', '"Q: {question} {x}"', '"Q: {question"', '"Q: {question.a}"',
-                     '"Q: {question[0]}"']:
+    for template in [
+        '"hello"',
+        '"{foo}"',
+        '"{0}"',
+        '"Q: {question} {x}"',
+        '"Q: {question"',
+        '"Q: {question.a}"',
+        '"Q: {question[0]}"',
+    ]:
         msg = load_error(write(tmp_path, base + template + "\n"))
         expected = "task.dataset.template: must contain {question}; write literal braces as {{ }}"
         assert f"{expected} (got {template[1:-1]!r})" in msg
@@ -383,10 +414,15 @@ def test_tiny_head_dim_must_be_even():
     assert load_config(None, ["model.tiny.hidden_size=16", "model.tiny.num_heads=4"]).model.tiny.hidden_size == 16
 
 
-@pytest.mark.parametrize("override,field", [("trainer.lr=true", "trainer.lr"),
-                                            ("run.iterations=true", "run.iterations"),
-                                            ("trainer.grad_clip=false", "trainer.grad_clip"),
-                                            ("task.max_operand=yes", "task.max_operand")])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("trainer.lr=true", "trainer.lr"),
+        ("run.iterations=true", "run.iterations"),
+        ("trainer.grad_clip=false", "trainer.grad_clip"),
+        ("task.max_operand=yes", "task.max_operand"),
+    ],
+)
 def test_boolean_is_not_a_number(override, field):
     # pydantic alone reads true as 1: trainer.lr=true trained at lr 1.0
     msg = load_error(None, [override])
@@ -398,15 +434,32 @@ def test_booleans_still_set_boolean_fields():
     assert cfg.train.shared_prompt is False and cfg.tracking.enabled is False
 
 
-@pytest.mark.parametrize("override", ["trainer.grad_clip=.inf", "algorithm.kl_coef=.inf", "algorithm.is_cap=inf",
-                                      "trainer.lr=.nan", "algorithm.dual_clip=nan"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.grad_clip=.inf",
+        "algorithm.kl_coef=.inf",
+        "algorithm.is_cap=inf",
+        "trainer.lr=.nan",
+        "algorithm.dual_clip=nan",
+    ],
+)
 def test_infinity_and_nan_are_refused(override):
     field = override.split("=")[0]
     assert f"{field}: Input should be a finite number" in load_error(None, [override])
 
 
-@pytest.mark.parametrize("field", ["model.path", "tracking.experiment", "task.dataset.question_field",
-                                   "task.dataset.answer_field", "task.dataset.split", "task.dataset.eval_split"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "model.path",
+        "tracking.experiment",
+        "task.dataset.question_field",
+        "task.dataset.answer_field",
+        "task.dataset.split",
+        "task.dataset.eval_split",
+    ],
+)
 def test_empty_strings_are_refused(field):
     msg = load_error(None, ["task.dataset.uri=x.jsonl", f"{field}="])
     assert f"{field}: String should have at least 1 character (got '')" in msg
@@ -420,7 +473,8 @@ def test_seed_upper_bound_is_what_the_rngs_take():
     torch.manual_seed(top)  # the model init and SFT seed
     np.random.seed(top)  # vLLM seeds numpy with it; random.Random takes any int
     assert f"run.seed: Input should be less than or equal to 4294967295 (got {2**32})" in load_error(
-        None, [f"run.seed={2**32}"])
+        None, [f"run.seed={2**32}"]
+    )
     with pytest.raises(ValueError):  # the negative control: one more is what numpy refuses
         np.random.seed(2**32)
 
@@ -441,8 +495,9 @@ def test_override_into_an_empty_section(tmp_path):
 
 
 def test_mapping_override_merges_into_the_section(tmp_path):
-    p = write(tmp_path, "trainer: {lr: 0.5, weight_decay: 0.1}\nmodel:\n  tiny: {hidden_size: 64, num_layers: 2}\n",
-              "ok.yaml")
+    p = write(
+        tmp_path, "trainer: {lr: 0.5, weight_decay: 0.1}\nmodel:\n  tiny: {hidden_size: 64, num_layers: 2}\n", "ok.yaml"
+    )
     cfg = load_config(p, ["trainer={lr: 1e-5}", "model={tiny: {num_layers: 3}}"])
     assert (cfg.trainer.lr, cfg.trainer.weight_decay) == (1e-5, 0.1)
     assert (cfg.model.tiny.hidden_size, cfg.model.tiny.num_layers) == (64, 3)
@@ -466,8 +521,10 @@ def test_arithmetic_sizes_are_checked_at_load():
     n_train = len(arithmetic.make_train_prompts(train, cfg.task.n_shots, cfg.task.split_seed, 2))
     assert n_train == 6 and sorted(iteration_prompt_ids(cfg, n_train, 0)) == list(range(6))
     msg = load_error(None, [*small, "task.n_eval=1", "rollout.prompts_per_iteration=7"])
-    assert ("(top level): rollout.prompts_per_iteration=7 exceeds the 6 training prompts (4 problems - task.n_eval 1, "
-            "x task.shot_sets 2)") in msg
+    assert (
+        "(top level): rollout.prompts_per_iteration=7 exceeds the 6 training prompts (4 problems - task.n_eval 1, "
+        "x task.shot_sets 2)"
+    ) in msg
     cfg.rollout.prompts_per_iteration = 7  # a section alone does not see the task: the run would refuse it late
     with pytest.raises(ValueError, match="prompts_per_iteration=7 exceeds the 6 training prompts"):
         iteration_prompt_ids(cfg, n_train, 0)
@@ -577,12 +634,17 @@ def test_cli_duplicate_key_and_bool_exit_2(tmp_path, capsys):
     assert "trainer.lr: Input should be a number, not a boolean (got True)" in cli_stderr(capsys)
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["task.ops=['+', '*', '+']"], "task.ops ['+', '*', '+'] lists an operator twice: give each once"),
-    (["task.dataset={uri: x.jsonl}"], "task.dataset is set but task.kind is 'arithmetic', which would ignore it"),
-    (["rollout.engine=vllm", "trainer.device=cpu"], "rollout.engine 'vllm' generates on a GPU (CUDA, or Ascend "
-                                                     "with vllm-ascend) while trainer.device is 'cpu'"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["task.ops=['+', '*', '+']"], "task.ops ['+', '*', '+'] lists an operator twice: give each once"),
+        (["task.dataset={uri: x.jsonl}"], "task.dataset is set but task.kind is 'arithmetic', which would ignore it"),
+        (
+            ["rollout.engine=vllm", "trainer.device=cpu"],
+            "rollout.engine 'vllm' generates on a GPU (CUDA, or Ascend with vllm-ascend) while trainer.device is 'cpu'",
+        ),
+    ],
+)
 def test_settings_that_would_be_ignored_or_fail_later(overrides, expected):
     assert f"(top level): {expected}" in load_error(None, overrides)
 
@@ -599,13 +661,29 @@ def test_task_that_cannot_fill_a_batch_fails_before_the_run_exists(tmp_path):
 
     data = tmp_path / "five.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(7)))
-    base = [f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false", "task.kind=dataset", "task.n_shots=0",
-            f"task.dataset={{uri: {data}}}", "task.n_eval=2", "run.run_id=small", "bootstrap.steps=0"]
+    base = [
+        f"lake.uri={tmp_path / 'lake'}",
+        "tracking.enabled=false",
+        "task.kind=dataset",
+        "task.n_shots=0",
+        f"task.dataset={{uri: {data}}}",
+        "task.n_eval=2",
+        "run.run_id=small",
+        "bootstrap.steps=0",
+    ]
     cfg = load_config(None, [*base, "rollout.prompts_per_iteration=6"])
     with pytest.raises(InputError, match="rollout.prompts_per_iteration=6 exceeds the 5 training prompts"):
         open_session(cfg)
-    arith = load_config(None, [f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false", "run.run_id=long",
-                               "task.max_prompt_tokens=16", "bootstrap.steps=0"])
+    arith = load_config(
+        None,
+        [
+            f"lake.uri={tmp_path / 'lake'}",
+            "tracking.enabled=false",
+            "run.run_id=long",
+            "task.max_prompt_tokens=16",
+            "bootstrap.steps=0",
+        ],
+    )
     with pytest.raises(InputError, match="training prompts exceed task.max_prompt_tokens=16"):
         open_session(arith)
     lake = Lake(str(tmp_path / "lake"))
@@ -615,16 +693,20 @@ def test_task_that_cannot_fill_a_batch_fails_before_the_run_exists(tmp_path):
 def test_run_name_length_and_run_id_first_character():
     assert load_config(None, ["run.name=" + "a" * 64]).run.name == "a" * 64
     assert f"run.name: String should have at most 64 characters (got {'a' * 65!r})" in load_error(
-        None, ["run.name=" + "a" * 65])
+        None, ["run.name=" + "a" * 65]
+    )
     assert load_config(None, ["run.run_id=r" + "x" * 127]).run.run_id == "r" + "x" * 127
     # a run id is a directory name in the lake and a CLI argument: no hidden (.x) or flag-like (-x) ids
     for bad in [".hidden", "-x", "_x", "r" + "x" * 128]:
         assert f"run.run_id: String should match pattern '^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$' (got {bad!r})" in (
-            load_error(None, [f"run.run_id={bad}"]))
+            load_error(None, [f"run.run_id={bad}"])
+        )
 
 
 def test_iterations_must_be_at_least_one():
-    assert "run.iterations: Input should be greater than or equal to 1 (got 0)" in load_error(None, ["run.iterations=0"])
+    assert "run.iterations: Input should be greater than or equal to 1 (got 0)" in load_error(
+        None, ["run.iterations=0"]
+    )
     assert load_config(None, ["run.iterations=1"]).run.iterations == 1
 
 
@@ -633,26 +715,46 @@ def test_default_keeps_two_optimizer_states():
     assert cfg.lake.keep_optimizer_state == 2
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("bootstrap.lr=0", "bootstrap.lr: Input should be greater than 0 (got 0)"),
-    ("rollout.vllm_gpu_memory_utilization=0.96", "rollout.vllm_gpu_memory_utilization: Input should be less than or "
-                                                 "equal to 0.95 (got 0.96)"),
-    ("rollout.vllm_gpu_memory_utilization=1.0", "rollout.vllm_gpu_memory_utilization: Input should be less than or "
-                                                "equal to 0.95 (got 1.0)"),
-    ("algorithm.clip_low=1.0", "algorithm.clip_low: Input should be less than 1 (got 1.0)"),
-    ("algorithm.dual_clip=1.0", "algorithm.dual_clip: Input should be greater than 1 (got 1.0)"),
-    ("trainer.beta1=1.0", "trainer.beta1: Input should be less than 1 (got 1.0)"),
-    ("trainer.beta2=1.0", "trainer.beta2: Input should be less than 1 (got 1.0)"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("bootstrap.lr=0", "bootstrap.lr: Input should be greater than 0 (got 0)"),
+        (
+            "rollout.vllm_gpu_memory_utilization=0.96",
+            "rollout.vllm_gpu_memory_utilization: Input should be less than or equal to 0.95 (got 0.96)",
+        ),
+        (
+            "rollout.vllm_gpu_memory_utilization=1.0",
+            "rollout.vllm_gpu_memory_utilization: Input should be less than or equal to 0.95 (got 1.0)",
+        ),
+        ("algorithm.clip_low=1.0", "algorithm.clip_low: Input should be less than 1 (got 1.0)"),
+        ("algorithm.dual_clip=1.0", "algorithm.dual_clip: Input should be greater than 1 (got 1.0)"),
+        ("trainer.beta1=1.0", "trainer.beta1: Input should be less than 1 (got 1.0)"),
+        ("trainer.beta2=1.0", "trainer.beta2: Input should be less than 1 (got 1.0)"),
+    ],
+)
 def test_exclusive_and_tight_bounds(override, expected):
     assert expected in load_error(None, [override])
 
 
 def test_bounds_accept_their_edges():
-    cfg = load_config(None, ["bootstrap.lr=1.0", "rollout.vllm_gpu_memory_utilization=0.95", "algorithm.clip_low=0.99",
-                             "algorithm.dual_clip=1.01", "trainer.beta2=0.9999"])
-    assert (cfg.bootstrap.lr, cfg.rollout.vllm_gpu_memory_utilization, cfg.algorithm.clip_low,
-            cfg.algorithm.dual_clip, cfg.trainer.beta2) == (1.0, 0.95, 0.99, 1.01, 0.9999)
+    cfg = load_config(
+        None,
+        [
+            "bootstrap.lr=1.0",
+            "rollout.vllm_gpu_memory_utilization=0.95",
+            "algorithm.clip_low=0.99",
+            "algorithm.dual_clip=1.01",
+            "trainer.beta2=0.9999",
+        ],
+    )
+    assert (
+        cfg.bootstrap.lr,
+        cfg.rollout.vllm_gpu_memory_utilization,
+        cfg.algorithm.clip_low,
+        cfg.algorithm.dual_clip,
+        cfg.trainer.beta2,
+    ) == (1.0, 0.95, 0.99, 1.01, 0.9999)
 
 
 def test_any_staleness_needs_async():

@@ -112,9 +112,11 @@ def test_unknown_extension_is_not_taken_for_a_hub_id(tmp_path):
     for check in (load_prompts, check_readable):
         with pytest.raises(DatasetError) as e:
             check(str(path))
-        assert str(e.value) == (f"{path}: file extension .csv is not supported with format auto: give a JSONL "
-                                "(.jsonl, .json) or Parquet (.parquet) file or a Hugging Face dataset id, or set "
-                                "task.dataset.format to jsonl, parquet or hf")
+        assert str(e.value) == (
+            f"{path}: file extension .csv is not supported with format auto: give a JSONL "
+            "(.jsonl, .json) or Parquet (.parquet) file or a Hugging Face dataset id, or set "
+            "task.dataset.format to jsonl, parquet or hf"
+        )
     assert resolve_format("openai/gsm8k", "auto") == "hf"
     assert resolve_format("hf://datasets/openai/gsm8k", "auto") == "hf"
     assert resolve_format(str(tmp_path), "auto") == "hf"  # a local folder: `datasets.load_dataset` reads it
@@ -124,8 +126,11 @@ def test_unknown_extension_is_not_taken_for_a_hub_id(tmp_path):
 
 def test_jsonl_read_as_parquet(tmp_path):
     path = _jsonl(str(tmp_path / "d.jsonl"), [json.dumps(r).encode() for r in GOOD])
-    with pytest.raises(DatasetError, match=r"d\.jsonl \(format parquet\) is not a Parquet file \(Parquet magic bytes "
-                                           r"not found.*\); set task\.dataset\.format to the file's format"):
+    with pytest.raises(
+        DatasetError,
+        match=r"d\.jsonl \(format parquet\) is not a Parquet file \(Parquet magic bytes "
+        r"not found.*\); set task\.dataset\.format to the file's format",
+    ):
         load_prompts(path, fmt="parquet")
 
 
@@ -143,8 +148,10 @@ def test_protocol_without_its_package():
         pytest.skip("s3fs is installed here")
     with pytest.raises(DatasetError) as e:
         load_prompts("s3://bucket/train.jsonl")
-    assert str(e.value) == ("s3://bucket/train.jsonl (format jsonl): its protocol needs a package that is not "
-                            "installed (Install s3fs to access S3); install it, or copy the file to a local path")
+    assert str(e.value) == (
+        "s3://bucket/train.jsonl (format jsonl): its protocol needs a package that is not "
+        "installed (Install s3fs to access S3); install it, or copy the file to a local path"
+    )
 
 
 def test_check_readable_reads_the_first_row_only(tmp_path, monkeypatch):
@@ -189,8 +196,10 @@ def test_check_readable_turns_a_backend_network_error_into_a_dataset_error():
     fsspec.register_implementation("unreachable", Unreachable, clobber=True)
     with pytest.raises(DatasetError) as e:
         check_readable("unreachable://host/train.jsonl")
-    assert str(e.value) == ("unreachable://host/train.jsonl (format jsonl): cannot be read (RuntimeError: Name or "
-                            "service not known); check the URL and the network, or copy the file to a local path")
+    assert str(e.value) == (
+        "unreachable://host/train.jsonl (format jsonl): cannot be read (RuntimeError: Name or "
+        "service not known); check the URL and the network, or copy the file to a local path"
+    )
 
 
 def test_math_verifier_errors_are_not_verified_never_a_crash(monkeypatch):
@@ -256,23 +265,34 @@ def test_blank_lines_are_not_rows_and_ids_stay_line_numbers(tmp_path):
 
 
 def test_skip_reasons_are_counted_by_kind_with_examples_capped(tmp_path):
-    rows = ([json.dumps(GOOD[0]).encode()] + [b'{"question": "caf\xe9", "answer": "1"}'] * 3
-            + [b"{question: %d" % i for i in range(4)] + [json.dumps([1, 2]).encode()]
-            + [json.dumps({"question": 5, "answer": "1"}).encode()])
+    rows = (
+        [json.dumps(GOOD[0]).encode()]
+        + [b'{"question": "caf\xe9", "answer": "1"}'] * 3
+        + [b"{question: %d" % i for i in range(4)]
+        + [json.dumps([1, 2]).encode()]
+        + [json.dumps({"question": 5, "answer": "1"}).encode()]
+    )
     records, report = load_prompts(_jsonl(str(tmp_path / "d.jsonl"), rows))
     assert [r.prompt_id for r in records] == [0]
-    assert report.skipped == {"invalid UTF-8": 3, "not JSON": 4, "not an object": 1,
-                              "missing or non-string field 'question'": 1}
+    assert report.skipped == {
+        "invalid UTF-8": 3,
+        "not JSON": 4,
+        "not an object": 1,
+        "missing or non-string field 'question'": 1,
+    }
     assert report.examples[0] == "row 1: invalid UTF-8 (invalid continuation byte at byte 17)"
     assert len(report.examples) == 5 and report.examples[-1].startswith("row 5: not JSON (")
-    assert report.summary().endswith("skipped: 4 not JSON, 3 invalid UTF-8, 1 not an object, "
-                                     "1 missing or non-string field 'question'")
+    assert report.summary().endswith(
+        "skipped: 4 not JSON, 3 invalid UTF-8, 1 not an object, 1 missing or non-string field 'question'"
+    )
 
 
 def test_non_object_and_non_string_question_rows_fail_with_their_reason(tmp_path):
-    for row, reason in ((json.dumps([1, 2]), "not an object (list)"),
-                        (json.dumps({"question": 5, "answer": "1"}), "missing or non-string field 'question'"),
-                        (json.dumps({"question": "q?", "answer": True}), "boolean field 'answer'")):
+    for row, reason in (
+        (json.dumps([1, 2]), "not an object (list)"),
+        (json.dumps({"question": 5, "answer": "1"}), "missing or non-string field 'question'"),
+        (json.dumps({"question": "q?", "answer": True}), "boolean field 'answer'"),
+    ):
         path = _jsonl(str(tmp_path / "d.jsonl"), [json.dumps(GOOD[0]).encode(), row.encode()])
         with pytest.raises(DatasetError) as e:
             load_prompts(path, on_bad_row="fail")
@@ -280,8 +300,10 @@ def test_non_object_and_non_string_question_rows_fail_with_their_reason(tmp_path
 
 
 def test_numeric_answers_and_padded_questions(tmp_path):
-    rows = [json.dumps({"question": "  How many?\n", "answer": 7}).encode(),
-            json.dumps({"question": "Half of 3?", "answer": 1.5}).encode()]
+    rows = [
+        json.dumps({"question": "  How many?\n", "answer": 7}).encode(),
+        json.dumps({"question": "Half of 3?", "answer": 1.5}).encode(),
+    ]
     records, report = load_prompts(_jsonl(str(tmp_path / "d.jsonl"), rows), template="Q: {question} A:")
     assert [(r.text, r.answer) for r in records] == [("Q: How many? A:", "7"), ("Q: Half of 3? A:", "1.5")]
     assert report.kept == 2

@@ -223,8 +223,7 @@ def test_a_uniform_of_exactly_zero_never_picks_a_token_outside_the_nucleus(model
     # torch.rand can return 0 (p = 2^-24 per draw); searchsorted of 0 lands on the first token of the vocabulary,
     # which top_p 1e-3 excludes: the engine must fall back to a token of the nucleus, with a finite log-prob
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.zeros(()))
-    out = generate_groups(model, [[5, 6, 7]], 2, SamplingParams(4, 1.0, 1e-3), [[1, 2]], eos_token_id=1,
-                          pad_token_id=0)
+    out = generate_groups(model, [[5, 6, 7]], 2, SamplingParams(4, 1.0, 1e-3), [[1, 2]], eos_token_id=1, pad_token_id=0)
     for sample in out[0]:
         assert 0 not in sample.response_ids
         assert all(abs(lp) < 1e-6 for lp in sample.logprobs), sample.logprobs  # the only token kept: log 1
@@ -354,7 +353,9 @@ def test_interrupt_with_unchanged_weights_changes_nothing_but_versions(model, pr
     params = SamplingParams(max_new_tokens=8)
     base = generate(model, prompts, params)
     seeds = seeds_for(list(range(len(prompts))))
-    got = generate_groups(model, prompts, G, params, seeds, EOS, PAD, version=3, poll_update=_switch_at(3, model, None, 4))
+    got = generate_groups(
+        model, prompts, G, params, seeds, EOS, PAD, version=3, poll_update=_switch_at(3, model, None, 4)
+    )
     for gb, gg in zip(base, got, strict=True):
         for sb, sg in zip(gb, gg, strict=True):
             assert sg.response_ids == sb.response_ids
@@ -374,8 +375,9 @@ def test_interrupt_continues_on_the_new_weights(model, prompts):
     new_state["model.norm.weight"] = new_state["model.norm.weight"] * 0.7
     base = generate(model, prompts, params)
     seeds = seeds_for(list(range(len(prompts))))
-    got = generate_groups(model, prompts, G, params, seeds, EOS, PAD, version=0,
-                          poll_update=_switch_at(4, model, new_state, 1))
+    got = generate_groups(
+        model, prompts, G, params, seeds, EOS, PAD, version=0, poll_update=_switch_at(4, model, new_state, 1)
+    )
     logits_new, targets, mask = recompute(model, prompts, got, shared=True)  # model now holds the new weights
     model.load_state_dict(old_state)
     logits_old, _, _ = recompute(model, prompts, got, shared=True)

@@ -75,20 +75,23 @@ def test_plain_and_iteration_points_both_armed(monkeypatch, sent):
     assert [sig for _, sig in sent] == [signal.SIGKILL, signal.SIGTERM]
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ("mid-trian@2", r"'mid-trian' is not a failpoint: one of shard-write, file-write, after-plan, mid-train"),
-    ("mid-train[x]@2", r"'mid-train\[x\]' is not a failpoint"),
-    ("mid-train[\u0661]@2", r"'mid-train\[\u0661\]' is not a failpoint"),  # an Arabic-Indic 1: never looked up
-    ("shard-write[1]@1", r"'shard-write' is not passed with its iteration: \[iteration\] only on mid-train"),
-    ("after-plan@0", r"pass '0' of 'after-plan' is not a positive integer"),
-    ("after-plan@two:TERM", r"pass 'two' of 'after-plan' is not a positive integer"),
-    ("after-plan@-1", r"pass '-1' of 'after-plan' is not a positive integer"),
-    ("after-plan@\u00b2", r"pass '\u00b2' of 'after-plan' is not a positive integer"),  # superscript 2
-    ("after-plan@", r"pass '' of 'after-plan' is not a positive integer"),
-    ("mid-train[1]@:TERM", r"pass '' of 'mid-train\[1\]' is not a positive integer"),
-    ("after-plan@1:", r"signal '' of 'after-plan' is not one of \['KILL', 'TERM'\]"),
-    ("mid-train[1]@1,mid-train[01]@2", r"'mid-train\[1\]' is armed twice"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("mid-trian@2", r"'mid-trian' is not a failpoint: one of shard-write, file-write, after-plan, mid-train"),
+        ("mid-train[x]@2", r"'mid-train\[x\]' is not a failpoint"),
+        ("mid-train[\u0661]@2", r"'mid-train\[\u0661\]' is not a failpoint"),  # an Arabic-Indic 1: never looked up
+        ("shard-write[1]@1", r"'shard-write' is not passed with its iteration: \[iteration\] only on mid-train"),
+        ("after-plan@0", r"pass '0' of 'after-plan' is not a positive integer"),
+        ("after-plan@two:TERM", r"pass 'two' of 'after-plan' is not a positive integer"),
+        ("after-plan@-1", r"pass '-1' of 'after-plan' is not a positive integer"),
+        ("after-plan@\u00b2", r"pass '\u00b2' of 'after-plan' is not a positive integer"),  # superscript 2
+        ("after-plan@", r"pass '' of 'after-plan' is not a positive integer"),
+        ("mid-train[1]@:TERM", r"pass '' of 'mid-train\[1\]' is not a positive integer"),
+        ("after-plan@1:", r"signal '' of 'after-plan' is not one of \['KILL', 'TERM'\]"),
+        ("mid-train[1]@1,mid-train[01]@2", r"'mid-train\[1\]' is armed twice"),
+    ],
+)
 def test_bad_spec_is_refused_not_silently_unarmed(spec, message, monkeypatch, sent):
     """A misspelt point would never fire: the resilience test would then see a run that was not killed."""
     monkeypatch.setenv("LOCKSTEP_FAULT", f"shard-write@9, {spec}")
@@ -115,8 +118,11 @@ def test_points_are_the_ones_the_code_passes():
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "faults.point":
                 # a literal, or a choice between literals (lake.py: "shard-write" if the path ends with ".arrow"
                 # else "file-write": the suffix is not a point)
-                names = {c.value for c in ast.walk(node.args[0]) if isinstance(c, ast.Constant)
-                         and isinstance(c.value, str) and not c.value.startswith(".")}
+                names = {
+                    c.value
+                    for c in ast.walk(node.args[0])
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str) and not c.value.startswith(".")
+                }
                 passed |= names
                 if any(k.arg == "iteration" for k in node.keywords) or len(node.args) > 1:
                     with_iteration |= names

@@ -35,10 +35,18 @@ class _Pool:
 
 
 def _session(tmp_path, monkeypatch, overrides=(), version: int = 0) -> SimpleNamespace:
-    cfg = load_config(None, ["rollout.prompts_per_iteration=8", "pipeline.shard_groups=3", "rollout.group_size=2",
-                             *overrides])
-    s = SimpleNamespace(run_id=RUN, cfg=cfg, lake=Lake(str(tmp_path / "lake")), pool=_Pool(), version=version,
-                        train_prompts=list(range(N_TRAIN)), storage_s=0.0)
+    cfg = load_config(
+        None, ["rollout.prompts_per_iteration=8", "pipeline.shard_groups=3", "rollout.group_size=2", *overrides]
+    )
+    s = SimpleNamespace(
+        run_id=RUN,
+        cfg=cfg,
+        lake=Lake(str(tmp_path / "lake")),
+        pool=_Pool(),
+        version=version,
+        train_prompts=list(range(N_TRAIN)),
+        storage_s=0.0,
+    )
     monkeypatch.setitem(session_module.SESSIONS, RUN, s)
     return s
 
@@ -46,9 +54,29 @@ def _session(tmp_path, monkeypatch, overrides=(), version: int = 0) -> SimpleNam
 def _publish(s, chunk, version: int) -> str:
     """A complete shard of `chunk` (every group whole), where a worker publishes it."""
     now = datetime.now(timezone.utc)
-    records = [SampleRecord(RUN, chunk.iteration, version, f"{chunk.iteration}-{p}", p, j, [1, 2], [3, 4],
-                            [-0.5, -0.5], [version, version], 0.5, "stop", "q", "a", 0, 7, now)
-               for p in chunk.prompt_ids for j in range(s.cfg.rollout.group_size)]
+    records = [
+        SampleRecord(
+            RUN,
+            chunk.iteration,
+            version,
+            f"{chunk.iteration}-{p}",
+            p,
+            j,
+            [1, 2],
+            [3, 4],
+            [-0.5, -0.5],
+            [version, version],
+            0.5,
+            "stop",
+            "q",
+            "a",
+            0,
+            7,
+            now,
+        )
+        for p in chunk.prompt_ids
+        for j in range(s.cfg.rollout.group_size)
+    ]
     path = f"{s.lake.iteration_rollouts(RUN, version, chunk.iteration)}/shard-0-{chunk.index:05d}.arrow"
     write_shard(s.lake, RUN, path, records)
     return path
@@ -138,8 +166,13 @@ def test_the_watcher_lists_every_admissible_version_of_an_iteration(tmp_path, mo
 
 
 def _g(prompt_len: int, response_lens: list[int]) -> RolloutGroup:
-    return RolloutGroup([1] * prompt_len, [[2] * n for n in response_lens], [0.0] * len(response_lens),
-                        [[-0.1] * n for n in response_lens], [[0] * n for n in response_lens])
+    return RolloutGroup(
+        [1] * prompt_len,
+        [[2] * n for n in response_lens],
+        [0.0] * len(response_lens),
+        [[-0.1] * n for n in response_lens],
+        [[0] * n for n in response_lens],
+    )
 
 
 def test_micro_batches_pack_up_to_the_budget_by_each_layouts_cost():
@@ -175,12 +208,13 @@ def test_a_failed_checkpoint_write_leaves_the_session_at_the_promoted_version(tm
 
 
 def _audit_session(monkeypatch, saving) -> tuple[SimpleNamespace, list]:
-    s = SimpleNamespace(saving=saving, cfg=SimpleNamespace(pipeline=SimpleNamespace(catalog=True),
-                                                           tracking=SimpleNamespace(prefect_artifacts=False)))
+    s = SimpleNamespace(
+        saving=saving,
+        cfg=SimpleNamespace(pipeline=SimpleNamespace(catalog=True), tracking=SimpleNamespace(prefect_artifacts=False)),
+    )
     monkeypatch.setitem(session_module.SESSIONS, RUN, s)
     cataloged: list = []
-    monkeypatch.setattr(iteration, "catalog_iteration",
-                        lambda run_id, k, v: cataloged.append((k, v, saving[1].done())))
+    monkeypatch.setattr(iteration, "catalog_iteration", lambda run_id, k, v: cataloged.append((k, v, saving[1].done())))
     return s, cataloged
 
 
@@ -233,8 +267,11 @@ def _waiting_trainer(s, rollouts, monkeypatch) -> list[int]:
     """The session's trainer replaced by one that records the prompts it micro-steps on; live workers; the train
     task's torch thread settings undone after the test."""
     trained: list[int] = []
-    s.trainer = SimpleNamespace(set_lr_factor=lambda factor: None, optimizer_step=lambda: {"train/tokens": 1.0},
-                                micro_step=lambda mb, version, behavior_old: trained.extend(g.prompt_id for g in mb))
+    s.trainer = SimpleNamespace(
+        set_lr_factor=lambda factor: None,
+        optimizer_step=lambda: {"train/tokens": 1.0},
+        micro_step=lambda mb, version, behavior_old: trained.extend(g.prompt_id for g in mb),
+    )
     s.pool.alive = lambda: True
     s.wait_saved = lambda: None
     s.rollouts = rollouts
@@ -248,8 +285,11 @@ def test_groups_that_never_land_after_the_rollouts_finished_fail_the_train_task(
     s = _session(tmp_path, monkeypatch, version=1)
     _waiting_trainer(s, [_done({"shards": []}), _done({"shards": []})], monkeypatch)
     where = re.escape(s.lake.iteration_rollouts(RUN, 1, 1))
-    with pytest.raises(iteration.RolloutsLostError, match=rf"^iteration 1: the rollout workers finished, but 8 of its "
-                                                            rf"groups are not in {where} \(0 shards read\)"):
+    with pytest.raises(
+        iteration.RolloutsLostError,
+        match=rf"^iteration 1: the rollout workers finished, but 8 of its "
+        rf"groups are not in {where} \(0 shards read\)",
+    ):
         iteration.train_task.fn(RUN, 1, 8, 0.0)
 
 
@@ -287,8 +327,9 @@ def test_the_flow_hands_the_rollout_tasks_to_the_train_task(monkeypatch):
     from flows import train as flow
 
     cfg = load_config(None, ["pipeline.mode=periodic", "resources.rollout_workers=2"])
-    s = SimpleNamespace(run_id=RUN, cfg=cfg, storage_s=0.0, tracker=SimpleNamespace(seconds=0.0), rollouts=[],
-                        release=lambda: None)
+    s = SimpleNamespace(
+        run_id=RUN, cfg=cfg, storage_s=0.0, tracker=SimpleNamespace(seconds=0.0), rollouts=[], release=lambda: None
+    )
     submitted = [object(), object()]
     seen: list = []
     monkeypatch.setattr(flow, "plan_task", lambda run_id, k: {"body_s": 0.0, "groups": 8})

@@ -28,19 +28,24 @@ def test_a_held_local_run_refuses_a_second_lease_naming_the_holder(tmp_path):
     lake = Lake(str(tmp_path / "lake"))
     held = lease.acquire(lake, "r1", "train")
     now = lease.holder(lake, "r1")
-    assert {k: now[k] for k in ("host", "pid", "command")} == {"host": socket.gethostname(), "pid": os.getpid(),
-                                                                "command": "train"}
+    assert {k: now[k] for k in ("host", "pid", "command")} == {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "command": "train",
+    }
     with pytest.raises(lease.RunInUseError) as e:  # another open file of the same process: flock refuses it too
         lease.acquire(lake, "r1", "resume")
     assert str(e.value) == (
         f"run r1 in {lake.uri} is in use by `lockstep train` (pid {os.getpid()} on host {socket.gethostname()}, "
         f"since {now['since']}): one process at a time writes a run; wait for it to end, or stop it (kill "
-        f"{os.getpid()} on its host, or Ctrl-C where it runs) and then `lockstep resume r1 --lake {lake.uri}`")
+        f"{os.getpid()} on its host, or Ctrl-C where it runs) and then `lockstep resume r1 --lake {lake.uri}`"
+    )
     # a train or replay --to that meets a live run is told to choose another id, never to kill it
     with pytest.raises(lease.RunInUseError) as e:
         lease.acquire(lake, "r1", "train")
-    assert str(e.value).endswith("writes a run; choose another run.run_id, or wait for it to end and then "
-                                 "`lockstep resume`") and "kill" not in str(e.value)
+    assert str(e.value).endswith(
+        "writes a run; choose another run.run_id, or wait for it to end and then `lockstep resume`"
+    ) and "kill" not in str(e.value)
     with pytest.raises(lease.RunInUseError, match="writes a run; choose another --to$"):
         lease.acquire(lake, "r1", "replay")
     assert lease.holder(lake, "r2") is None  # other runs are free
@@ -56,8 +61,10 @@ def test_a_held_local_run_refuses_a_second_lease_naming_the_holder(tmp_path):
 
 def test_a_killed_holder_frees_a_local_run_at_once(tmp_path):
     lake = Lake(str(tmp_path / "lake"))
-    code = ("import sys, time; from storage import lease; from storage.lake import Lake; "
-            f"lease.acquire(Lake({lake.uri!r}), 'r1', 'train'); print('held', flush=True); time.sleep(120)")
+    code = (
+        "import sys, time; from storage import lease; from storage.lake import Lake; "
+        f"lease.acquire(Lake({lake.uri!r}), 'r1', 'train'); print('held', flush=True); time.sleep(120)"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -78,8 +85,15 @@ def memory_lake() -> Lake:
 
 
 def write_lease(lake: Lake, run_id: str, **fields) -> None:
-    holder = {"host": "elsewhere", "pid": 7, "command": "train", "since": "2026-12-04T00:00:00Z", "token": "t0",
-              "renewed": time.time(), **fields}
+    holder = {
+        "host": "elsewhere",
+        "pid": 7,
+        "command": "train",
+        "since": "2026-12-04T00:00:00Z",
+        "token": "t0",
+        "renewed": time.time(),
+        **fields,
+    }
     lake.fs.makedirs(lake.run_dir(run_id), exist_ok=True)
     lake.fs.pipe_file(f"{lake.run_dir(run_id)}/LEASE.json", json.dumps(holder).encode())
 
@@ -94,8 +108,11 @@ def test_a_remote_lease_is_refused_while_renewed_and_taken_over_when_not(monkeyp
     monkeypatch.setattr(lease, "SETTLE_S", 0.0)
     lake = memory_lake()
     write_lease(lake, "live", renewed=time.time() - 20)  # another host renewed it 20 s ago
-    with pytest.raises(lease.RunInUseError, match=r"`lockstep train` \(pid 7 on host elsewhere, since .*\); its "
-                                                  r"lease was renewed 20 s ago and lapses 60 s after its last renewal"):
+    with pytest.raises(
+        lease.RunInUseError,
+        match=r"`lockstep train` \(pid 7 on host elsewhere, since .*\); its "
+        r"lease was renewed 20 s ago and lapses 60 s after its last renewal",
+    ):
         lease.acquire(lake, "live", "resume")
     assert lease.holder(lake, "live")["host"] == "elsewhere"
     # a dead pid of this host name but another pid namespace (a container with --network host) or boot: its own
@@ -140,8 +157,11 @@ def test_a_remote_lease_is_renewed_and_its_renewer_stops_when_taken_over(monkeyp
     assert not held._renewer.is_alive()
     assert "run r1: its lease is now held by `lockstep train` (pid 7 on host elsewhere" in caplog.text
     assert not held.held
-    with pytest.raises(lease.RunInUseError, match="this process lost the run's lease to `lockstep train` "
-                                                  r"\(pid 7 on host elsewhere"):
+    with pytest.raises(
+        lease.RunInUseError,
+        match="this process lost the run's lease to `lockstep train` "
+        r"\(pid 7 on host elsewhere",
+    ):
         held.check()  # what the flow asks before each iteration
     held.release()
     assert json.loads(lake.fs.cat_file(path))["token"] == "rival"  # the rival's lease is not removed
@@ -226,7 +246,8 @@ def test_resume_of_a_run_in_use_exits_2_and_touches_nothing(held_run, capfd):
     assert code == 2, err
     assert "Traceback" not in err and "Encountered exception" not in err
     assert squash(f"error: run r1 in {held_run} is in use by `lockstep train` (pid {os.getpid()} on host") in (
-        squash(err))
+        squash(err)
+    )
     assert (held_run / "runs/r1/_tmp/in-flight.arrow").read_bytes() == b"a shard being written"
 
 
@@ -253,13 +274,17 @@ def test_replay_into_a_run_in_use_exits_2(held_run, capsys, monkeypatch):
 def test_replay_of_a_run_without_a_promoted_version_exits_2(held_run, capsys):
     # a run still in its bootstrap has no v0: replay failed with the model loader's OSError traceback
     assert cli.main(["replay", "r1", "--lake", str(held_run)]) == 2
-    assert squash(f"error: cannot replay 'r1': run r1 has no promoted version in {held_run} yet (v0 is promoted "
-                  "once its bootstrap ends)") in cli_stderr(capsys)
+    assert squash(
+        f"error: cannot replay 'r1': run r1 has no promoted version in {held_run} yet (v0 is promoted "
+        "once its bootstrap ends)"
+    ) in cli_stderr(capsys)
     (held_run / "runs/r1/checkpoints").mkdir()  # PROMOTED names v0, whose folder was removed since
     (held_run / "runs/r1/checkpoints/PROMOTED").write_text('{"version": 0}')
     assert cli.main(["replay", "r1", "--lake", str(held_run)]) == 2
-    assert squash(f"error: cannot replay 'r1': run r1's checkpoint v0 ({held_run}/runs/r1/checkpoints/v000000) has "
-                  "no MANIFEST.json") in cli_stderr(capsys)
+    assert squash(
+        f"error: cannot replay 'r1': run r1's checkpoint v0 ({held_run}/runs/r1/checkpoints/v000000) has "
+        "no MANIFEST.json"
+    ) in cli_stderr(capsys)
 
 
 @pytest.mark.parametrize("error", [OSError("no space left on device"), KeyboardInterrupt()], ids=["oserror", "ctrl-c"])
@@ -312,8 +337,9 @@ def test_a_train_of_a_run_in_use_names_its_holder(held_run):
     cfg = load_config(None, ["run.run_id=r1", f"lake.uri={held_run}", "tracking.enabled=false"])
     with pytest.raises(session.RunExistsError) as e:
         session.open_session(cfg)
-    assert str(e.value).startswith(f"run r1 already exists in {held_run} and is in use by `lockstep train` (pid "
-                                   f"{os.getpid()} on host ")
+    assert str(e.value).startswith(
+        f"run r1 already exists in {held_run} and is in use by `lockstep train` (pid {os.getpid()} on host "
+    )
     assert str(e.value).endswith("choose another run.run_id")
 
 

@@ -36,8 +36,11 @@ def test_decay_runs_from_peak_to_min_ratio(kind):
 
 
 def test_the_rate_is_a_factor_of_the_peak_not_of_the_last_rate():
-    trainer = PolicyTrainer(build_tiny_model(40, seed=0, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                                             intermediate_size=32), None, lr=1e-2)
+    trainer = PolicyTrainer(
+        build_tiny_model(40, seed=0, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32),
+        None,
+        lr=1e-2,
+    )
     trainer.set_lr_factor(0.5)
     trainer.set_lr_factor(0.5)  # the same batch index twice (a resumed step): 0.5 x peak, not 0.25
     assert trainer.optimizer.param_groups[0]["lr"] == 0.5e-2
@@ -66,10 +69,20 @@ def _group() -> RolloutGroup:
 def test_the_batch_step_uses_the_scheduled_rate(version):
     """Adam's first step moves each weight by ~lr (|m_hat / sqrt(v_hat)| = 1): the largest change is the rate."""
     peak = 1e-2
-    cfg = load_config(None, ["run.iterations=8", "trainer.lr_schedule=linear", "trainer.warmup_steps=2",
-                             "trainer.min_lr_ratio=0.2", f"trainer.lr={peak}", "rollout.prompts_per_iteration=1"])
-    model = build_tiny_model(40, seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                             intermediate_size=64)
+    cfg = load_config(
+        None,
+        [
+            "run.iterations=8",
+            "trainer.lr_schedule=linear",
+            "trainer.warmup_steps=2",
+            "trainer.min_lr_ratio=0.2",
+            f"trainer.lr={peak}",
+            "rollout.prompts_per_iteration=1",
+        ],
+    )
+    model = build_tiny_model(
+        40, seed=0, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
     before = copy.deepcopy(model)
     trainer = PolicyTrainer(model, None, lr=peak, grad_clip=None)
     steps = BatchSteps(trainer, cfg, [0], version)

@@ -40,8 +40,9 @@ def _batch(model) -> dict[int, RolloutGroup]:
 
 
 def _cfg(m: int):
-    return load_config(None, [f"algorithm.ppo_mini_batches={m}", "rollout.prompts_per_iteration=8",
-                              "train.micro_batch_tokens=64"])
+    return load_config(
+        None, [f"algorithm.ppo_mini_batches={m}", "rollout.prompts_per_iteration=8", "train.micro_batch_tokens=64"]
+    )
 
 
 def _train(model, groups: dict[int, RolloutGroup], m: int, arrivals: list[list[int]], lr: float = 3e-2):
@@ -127,11 +128,14 @@ def test_an_incomplete_batch_a_stranger_or_a_repeated_group_is_refused(setup):
         twice.add([groups[8]])
 
 
-@pytest.mark.parametrize("overrides,reason", [
-    (["algorithm.ppo_mini_batches=3"], "must divide rollout.prompts_per_iteration=32"),
-    (["algorithm.ppo_mini_batches=2", "pipeline.mode=async"], "applies to modes sync and periodic"),
-    (["algorithm.ppo_mini_batches=2", "rollout.top_p=0.9"], "set rollout.top_p to 1.0"),
-])
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (["algorithm.ppo_mini_batches=3"], "must divide rollout.prompts_per_iteration=32"),
+        (["algorithm.ppo_mini_batches=2", "pipeline.mode=async"], "applies to modes sync and periodic"),
+        (["algorithm.ppo_mini_batches=2", "rollout.top_p=0.9"], "set rollout.top_p to 1.0"),
+    ],
+)
 def test_bad_mini_batch_configs_are_refused(overrides, reason):
     with pytest.raises(ConfigError, match=reason):
         load_config(None, overrides)
@@ -147,9 +151,16 @@ def test_before_step_runs_before_every_optimizer_step_and_sees_the_weights_uncha
     trainer = PolicyTrainer(model, None, lr=3e-2, grad_clip=None)
     seen: list[float] = []  # max |w - start| each time the hook runs
     steps_before: list[int] = []
-    steps = BatchSteps(trainer, _cfg(m), PLAN, version=0, before_step=lambda: (
-        seen.append(max(float((p.detach() - s).abs().max()) for p, s in zip(model.parameters(), start))),
-        steps_before.append(len(steps.steps))))
+    steps = BatchSteps(
+        trainer,
+        _cfg(m),
+        PLAN,
+        version=0,
+        before_step=lambda: (
+            seen.append(max(float((p.detach() - s).abs().max()) for p, s in zip(model.parameters(), start))),
+            steps_before.append(len(steps.steps)),
+        ),
+    )
     for i in range(0, 8, 2):
         steps.add([groups[p] for p in PLAN[i : i + 2]])
     steps.finish()
@@ -166,8 +177,18 @@ def test_a_shard_holding_part_of_a_group_is_refused():
     from tasks.iteration import groups_of
 
     def rows(gid: str, n: int) -> list[dict]:
-        return [dict(group_id=gid, prompt_id=int(gid.split("-")[1]), prompt_ids=[1, 2], response_ids=[3 + j],
-                     reward=0.0, behavior_logprobs=[-0.1], token_versions=[0]) for j in range(n)]
+        return [
+            dict(
+                group_id=gid,
+                prompt_id=int(gid.split("-")[1]),
+                prompt_ids=[1, 2],
+                response_ids=[3 + j],
+                reward=0.0,
+                behavior_logprobs=[-0.1],
+                token_versions=[0],
+            )
+            for j in range(n)
+        ]
 
     whole = groups_of(pa.Table.from_pylist(rows("0-1", 4) + rows("0-2", 4)), 4)
     assert [(g.prompt_id, g.responses) for g in whole] == [(1, [[3], [4], [5], [6]]), (2, [[3], [4], [5], [6]])]
@@ -182,8 +203,9 @@ def test_a_token_beyond_the_staleness_bound_or_ahead_of_the_trainer_is_refused()
     from tasks.iteration import token_staleness
 
     def group(versions: list[list[int]]) -> RolloutGroup:
-        return RolloutGroup([1], [[2] * len(v) for v in versions], [0.0] * len(versions),
-                            [[-0.1] * len(v) for v in versions], versions)
+        return RolloutGroup(
+            [1], [[2] * len(v) for v in versions], [0.0] * len(versions), [[-0.1] * len(v) for v in versions], versions
+        )
 
     # trainer at version 5, bound 2: versions 3-5 are fine (an interrupted sample carries several)
     assert token_staleness("s", [group([[3, 4], [5]]), group([[4, 4, 5]])], 5, 2) == [2, 1, 0, 1, 1, 0]

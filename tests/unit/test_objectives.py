@@ -461,8 +461,9 @@ def test_trust_region_agreement_without_a_trust_region_the_gradients_are_equal()
     logp, b = -torch.rand(4, 6, generator=g), -torch.rand(4, 6, generator=g)
     ref, approx = -torch.rand(4, 6, generator=g), -torch.rand(4, 6, generator=g)
     adv = torch.randn(4, generator=g)
-    m = obj.trust_region_agreement(logp, approx, ref, b, adv, torch.ones(4, 6), clip_low=0.99, clip_high=100.0,
-                                   is_cap=None)
+    m = obj.trust_region_agreement(
+        logp, approx, ref, b, adv, torch.ones(4, 6), clip_low=0.99, clip_high=100.0, is_cap=None
+    )
     assert m["grad_abs_err"] < 1e-5 * m["grad_abs"] and m["grad_abs"] > 0.1
     assert m["zeroed_fraction"] == m["reference_zeroed_fraction"] == 0.0
     # with the default clip and cap they differ
@@ -588,7 +589,6 @@ def test_decoupled_bad_input():
         obj.decoupled_policy_loss(logp, prox, torch.zeros(2, 3), adv, mask)
 
 
-
 # ---------------------------------------------------------------------- boundaries and detached inputs (mutation audit)
 # Each test below kills a change to models/objectives.py that the tests above let through (a comparison's edge, a
 # mask forgotten in a count, a .detach() removed); see the commit that added them.
@@ -596,8 +596,9 @@ def test_decoupled_bad_input():
 
 def test_a_zero_advantage_token_is_never_counted_as_clipped():
     # ratio .5 with A = 0: neither side of the clip applies (A < 0 clips low, A > 0 clips high)
-    _, m = obj.policy_loss(torch.tensor([[LN(0.5)], [LN(1.5)]]), torch.zeros(2, 1), torch.tensor([0.0, 0.0]),
-                           torch.ones(2, 1))
+    _, m = obj.policy_loss(
+        torch.tensor([[LN(0.5)], [LN(1.5)]]), torch.zeros(2, 1), torch.tensor([0.0, 0.0]), torch.ones(2, 1)
+    )
     assert m["clip/low_fraction"] == 0.0 and m["clip/high_fraction"] == 0.0 and m["clip/fraction"] == 0.0
 
 
@@ -607,8 +608,13 @@ def test_dual_clip_starts_above_c():
     log_r = torch.tensor([[LN(4.0)]], dtype=torch.float64)
     c = float(torch.exp(log_r))
     logp = log_r.clone().requires_grad_(True)
-    loss, m = obj.policy_loss(logp, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
-                              torch.ones(1, 1), dual_clip=c)
+    loss, m = obj.policy_loss(
+        logp,
+        torch.zeros(1, 1, dtype=torch.float64),
+        torch.tensor([-1.0], dtype=torch.float64),
+        torch.ones(1, 1),
+        dual_clip=c,
+    )
     loss.sum().backward()
     assert m["clip/dual_fraction"] == 0.0
     close(logp.grad, [[c / 2]])
@@ -639,8 +645,9 @@ def test_geometric_weight_averages_over_the_mask_tokens_only():
     # mask [1, 0]: the padded token's log 100 is not part of the mean, and the mean divides by 1 token, not 2
     b = torch.full((1, 2), -3.0)
     prox = b + torch.tensor([[LN(4.0), LN(100.0)]])
-    loss, m = obj.decoupled_policy_loss(prox.clone(), prox, b, torch.tensor([1.0]), torch.tensor([[True, False]]),
-                                        is_cap=None, is_level="geometric")
+    loss, m = obj.decoupled_policy_loss(
+        prox.clone(), prox, b, torch.tensor([1.0]), torch.tensor([[True, False]]), is_cap=None, is_level="geometric"
+    )
     close(loss, [[-4.0, 0.0]], atol=1e-5)
     close(m["is_weight/mean"], 4.0, atol=1e-5)
 
@@ -656,15 +663,17 @@ def test_a_weight_equal_to_the_cap_is_kept(is_mode):
     torch.testing.assert_close(loss, obj.policy_loss(logp, b, adv, mask)[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("is_mode", "key"), [("cap", "is_weight/capped_fraction"),
-                                              ("mask", "is_weight/masked_fraction")])
+@pytest.mark.parametrize(
+    ("is_mode", "key"), [("cap", "is_weight/capped_fraction"), ("mask", "is_weight/masked_fraction")]
+)
 def test_sequence_level_fractions_count_mask_tokens_only(is_mode, key):
     # row 0 (2 mask tokens + 1 padding) has weight 2*3 = 6 > cap 5; row 1 (3 tokens) .5: 2 of 5 mask tokens
     b = torch.full((2, 3), -3.0)
     prox = b + torch.tensor([[LN(2.0), LN(3.0), 0.0], [LN(0.5), 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
-    _, m = obj.decoupled_policy_loss(prox.clone(), prox, b, torch.ones(2), mask, is_cap=5.0, is_mode=is_mode,
-                                     is_level="sequence")
+    _, m = obj.decoupled_policy_loss(
+        prox.clone(), prox, b, torch.ones(2), mask, is_cap=5.0, is_mode=is_mode, is_level="sequence"
+    )
     close(m[key], 0.4)
 
 
@@ -672,8 +681,9 @@ def test_sequence_weight_of_a_long_response_is_clamped_finite():
     # 100 tokens each 1 nat above behaviour: exp(100) as a product, clamped to exp(max_log_ratio = 20)
     b = torch.full((1, 100), -5.0)
     prox = b + 1.0
-    loss, m = obj.decoupled_policy_loss(prox.clone(), prox, b, torch.tensor([1.0]), torch.ones(1, 100), is_cap=None,
-                                        is_level="sequence")
+    loss, m = obj.decoupled_policy_loss(
+        prox.clone(), prox, b, torch.tensor([1.0]), torch.ones(1, 100), is_cap=None, is_level="sequence"
+    )
     assert bool(torch.isfinite(loss).all())
     close(m["is_weight/max"], math.exp(20.0), rtol=1e-5)
 

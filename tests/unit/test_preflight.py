@@ -88,8 +88,9 @@ def test_config_not_json_or_without_model_type(model_dir, tmp_path):
 
 def test_missing_or_unreadable_weights(model_dir, tmp_path):
     d = broken(model_dir, tmp_path, ("model.safetensors",))
-    assert model_error(d) == (f"{d} has no weights (*.safetensors or pytorch_model*.bin); save the model with "
-                              "save_pretrained")
+    assert model_error(d) == (
+        f"{d} has no weights (*.safetensors or pytorch_model*.bin); save the model with save_pretrained"
+    )
     (d / "model.safetensors").write_bytes(b"garbage")
     assert model_error(d).startswith(f"{d}/model.safetensors is not a readable safetensors file (")
 
@@ -171,8 +172,11 @@ def test_a_tokenizer_config_without_its_vocabulary_is_refused(model_dir, tmp_pat
     d = broken(model_dir, tmp_path)
     (d / "tokenizer.json").unlink()
     for check in (check_model_dir, load_hf):
-        with pytest.raises(ModelDirError, match=r"encodes 'Q: 12\+7=\?\\nA: 19\\n' as \[\]: its vocabulary is "
-                                                r"missing \(tokenizer.json, or vocab.json"):
+        with pytest.raises(
+            ModelDirError,
+            match=r"encodes 'Q: 12\+7=\?\\nA: 19\\n' as \[\]: its vocabulary is "
+            r"missing \(tokenizer.json, or vocab.json",
+        ):
             check(d)
 
 
@@ -181,9 +185,12 @@ def test_a_tokenizer_json_without_its_config_is_refused_with_the_reason(model_di
     error says the config file is what is missing."""
     d = broken(model_dir, tmp_path)
     (d / "tokenizer_config.json").unlink()
-    with pytest.raises(ModelDirError, match=r"tokenizer has 54 tokens but config.json vocab_size=53: .* \(there is "
-                                            r"no tokenizer_config.json, so Qwen2Tokenizer added its default special "
-                                            r"tokens"):
+    with pytest.raises(
+        ModelDirError,
+        match=r"tokenizer has 54 tokens but config.json vocab_size=53: .* \(there is "
+        r"no tokenizer_config.json, so Qwen2Tokenizer added its default special "
+        r"tokens",
+    ):
         check_model_dir(d)
 
 
@@ -199,12 +206,16 @@ def _word_level(words: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>")
 
 
-@pytest.mark.parametrize("tok, refused", [
-    (build_char_tokenizer("0123456789+= \n"), False),  # the characters it lacks are dropped, the digits encode
-    (build_char_tokenizer("xyz"), True),  # every character dropped: no tokens
-    (_word_level(["A", "19"]), False),  # some words known
-    (_word_level(["hello"]), True),  # every word <unk>
-], ids=["char-digits", "char-none", "words-some", "words-none"])
+@pytest.mark.parametrize(
+    "tok, refused",
+    [
+        (build_char_tokenizer("0123456789+= \n"), False),  # the characters it lacks are dropped, the digits encode
+        (build_char_tokenizer("xyz"), True),  # every character dropped: no tokens
+        (_word_level(["A", "19"]), False),  # some words known
+        (_word_level(["hello"]), True),  # every word <unk>
+    ],
+    ids=["char-digits", "char-none", "words-some", "words-none"],
+)
 def test_a_tokenizer_that_encodes_none_of_the_probe_is_refused(tok, refused):
     """A tokenizer that turns the probe text into no tokens, or into <unk> only, is refused like one without a
     vocabulary; one that still encodes part of it is accepted. Checked on the tokenizer in memory: transformers
@@ -223,8 +234,10 @@ def test_a_tokenizer_that_encodes_none_of_the_probe_is_refused(tok, refused):
 def test_path_like_model_that_is_not_a_directory(path):
     msg = input_error(load_config(ARITH, [f"model.path={path}"]))
     assert msg.startswith(f"model.path {path!r} is not a directory")
-    assert msg.endswith("give a local Hugging Face model directory (config.json, weights, tokenizer) or a hub id "
-                        "such as Qwen/Qwen2.5-0.5B")
+    assert msg.endswith(
+        "give a local Hugging Face model directory (config.json, weights, tokenizer) or a hub id "
+        "such as Qwen/Qwen2.5-0.5B"
+    )
 
 
 def test_a_file_is_not_a_model_directory(model_dir):
@@ -243,10 +256,13 @@ def test_hub_id_offline_must_be_cached(monkeypatch, tmp_path, model_dir):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     msg = input_error(load_config(ARITH, ["model.path=Org/not-cached"]))
-    assert msg.startswith("model.path 'Org/not-cached' is not a local directory, and as a hub id it is not in the "
-                          f"Hugging Face cache ({tmp_path / 'hub'}) while HF_HUB_OFFLINE=1 forbids downloading")
+    assert msg.startswith(
+        "model.path 'Org/not-cached' is not a local directory, and as a hub id it is not in the "
+        f"Hugging Face cache ({tmp_path / 'hub'}) while HF_HUB_OFFLINE=1 forbids downloading"
+    )
     assert input_error(load_config(ARITH, ["model.path=not a valid id!!"])).startswith(
-        "model.path 'not a valid id!!' is neither a local directory nor a hub id")
+        "model.path 'not a valid id!!' is neither a local directory nor a hub id"
+    )
     # the cache layout from_pretrained reads: models--Org--tiny/refs/main names the snapshot
     repo = tmp_path / "hub" / "models--Org--tiny"
     (repo / "refs").mkdir(parents=True)
@@ -278,8 +294,10 @@ def test_dataset_csv_and_missing_eval_file(tmp_path):
     msg = input_error(dataset_config(tmp_path, str(tmp_path / "d.csv")))
     assert msg.startswith(f"task.dataset.uri: {tmp_path / 'd.csv'}: file extension .csv is not supported")
     msg = input_error(dataset_config(tmp_path, str(good), f"task.dataset.eval_uri={tmp_path / 'eval.jsonl'}"))
-    assert msg == f"task.dataset.eval_uri: {tmp_path / 'eval.jsonl'} (format jsonl): no such file; check " \
-                  "task.dataset.uri / eval_uri"
+    assert (
+        msg == f"task.dataset.eval_uri: {tmp_path / 'eval.jsonl'} (format jsonl): no such file; check "
+        "task.dataset.uri / eval_uri"
+    )
     msg = input_error(dataset_config(tmp_path, str(good), "task.dataset.format=parquet"))
     assert msg.startswith(f"task.dataset.uri: {good} (format parquet) is not a Parquet file")
 
@@ -299,13 +317,29 @@ def test_cli_train_vocab_mismatch_exits_2(tmp_path, capsys):
     d = save_hf(build_tiny_model(len(tok), **TINY), build_char_tokenizer(), tmp_path / "mismatch")
     assert cli.main(["train", ARITH, "-o", f"model.path={d}", "-o", f"lake.uri={tmp_path / 'lake'}"]) == 2
     assert squash(f"error: model.path: {d}: tokenizer has 53 tokens but config.json vocab_size=14") in cli_stderr(
-        capsys)
+        capsys
+    )
 
 
 def test_cli_train_csv_dataset_exits_2(tmp_path, capsys):
     (tmp_path / "d.csv").write_text("question,answer\n")
-    assert cli.main(["train", ARITH, "-o", "task.kind=dataset", "-o", "task.shot_sets=1",
-                     "-o", f"task.dataset.uri={tmp_path / 'd.csv'}", "-o", f"lake.uri={tmp_path / 'lake'}"]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                ARITH,
+                "-o",
+                "task.kind=dataset",
+                "-o",
+                "task.shot_sets=1",
+                "-o",
+                f"task.dataset.uri={tmp_path / 'd.csv'}",
+                "-o",
+                f"lake.uri={tmp_path / 'lake'}",
+            ]
+        )
+        == 2
+    )
     err = cli_stderr(capsys)
     assert squash(f"error: task.dataset.uri: {tmp_path / 'd.csv'}: file extension .csv is not supported") in err
     assert "datasets`package" not in err
@@ -355,14 +389,19 @@ def test_prefect_api_that_does_not_answer():
     url = f"http://127.0.0.1:{free_port()}/api"
     msg = prefect_error(url)
     assert msg.startswith(f"the Prefect API at PREFECT_API_URL={url} is unreachable (ConnectError: ")
-    assert msg.endswith("start it with `make services`, fix PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), or "
-                        "unset it to run on a temporary local Prefect server")
+    assert msg.endswith(
+        "start it with `make services`, fix PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), or "
+        "unset it to run on a temporary local Prefect server"
+    )
 
 
-@pytest.mark.parametrize(("status", "body", "why"), [
-    (404, b"not found", "PrefectHTTPStatusError: Client error '404 Not Found'"),
-    (200, b"<html>the UI</html>", "JSONDecodeError: "),  # a server that answers every path with a page
-])
+@pytest.mark.parametrize(
+    ("status", "body", "why"),
+    [
+        (404, b"not found", "PrefectHTTPStatusError: Client error '404 Not Found'"),
+        (200, b"<html>the UI</html>", "JSONDecodeError: "),  # a server that answers every path with a page
+    ],
+)
 def test_prefect_api_url_of_something_else(status, body, why):
     with http_server(status, body) as base:
         msg = prefect_error(f"{base}/api")
@@ -387,7 +426,8 @@ def test_cli_train_and_replay_with_an_unreachable_prefect_api_exit_2_before_any_
     with temporary_settings({PREFECT_API_URL: url}):
         assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}"]) == 2
         assert squash(f"error: the Prefect API at PREFECT_API_URL={url} is unreachable (ConnectError:") in (
-            cli_stderr(capsys))
+            cli_stderr(capsys)
+        )
         assert not lake.exists()
         run = lake / "runs" / "r1"
         run.mkdir(parents=True)
@@ -397,7 +437,8 @@ def test_cli_train_and_replay_with_an_unreachable_prefect_api_exit_2_before_any_
         (run / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
         assert cli.main(["replay", "r1", "--lake", str(lake)]) == 2
         assert squash(f"error: cannot replay 'r1': the Prefect API at PREFECT_API_URL={url} is unreachable") in (
-            cli_stderr(capsys))
+            cli_stderr(capsys)
+        )
 
 
 def tracking_error(*overrides: str) -> str:
@@ -405,7 +446,8 @@ def tracking_error(*overrides: str) -> str:
         check_tracking(load_config(ARITH, list(overrides)))
     assert str(e.value).endswith(
         "give sqlite:///PATH (the default is sqlite:///mlflow.db), the http(s) URL of a running MLflow server "
-        "(`make services` starts one at http://127.0.0.1:5000), or set tracking.enabled=false")
+        "(`make services` starts one at http://127.0.0.1:5000), or set tracking.enabled=false"
+    )
     return str(e.value)
 
 
@@ -416,8 +458,10 @@ def test_tracking_server_that_does_not_answer_fails_at_once(monkeypatch):
     t0 = time.monotonic()
     msg = tracking_error(f"tracking.uri={url}")
     assert time.monotonic() - t0 < 30  # one attempt (0.02 s here), not the run's retries
-    assert msg.startswith(f"tracking.uri {url!r} cannot be used (MlflowException: API request to {url}/api/2.0/"
-                          "mlflow/experiments/search failed")
+    assert msg.startswith(
+        f"tracking.uri {url!r} cannot be used (MlflowException: API request to {url}/api/2.0/"
+        "mlflow/experiments/search failed"
+    )
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "7"  # the run keeps the user's settings
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
 
@@ -425,8 +469,9 @@ def test_tracking_server_that_does_not_answer_fails_at_once(monkeypatch):
 @pytest.mark.parametrize("uri", ["mlflow.db", "file:./mlruns"])
 def test_tracking_file_store_is_refused_before_the_run(uri, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert tracking_error(f"tracking.uri={uri}").startswith(f"tracking.uri {uri!r} cannot be used (MlflowException: "
-                                                            "The filesystem tracking backend")
+    assert tracking_error(f"tracking.uri={uri}").startswith(
+        f"tracking.uri {uri!r} cannot be used (MlflowException: The filesystem tracking backend"
+    )
 
 
 def test_tracking_sqlite_store_passes_and_disabled_tracking_is_not_opened(tmp_path):
@@ -459,8 +504,9 @@ def _has(module: str) -> bool:
 def test_cli_train_on_cuda_without_a_cuda_device_exits_2_before_any_work(tmp_path, capsys):
     lake = tmp_path / "lake"
     assert cli.main(["train", ARITH, "-o", "trainer.device=cuda", "-o", f"lake.uri={lake}"]) == 2
-    assert squash("error: trainer.device is 'cuda' but no CUDA device is visible; use trainer.device=cpu (or "
-                  "auto)") in cli_stderr(capsys)  # was a RuntimeError traceback from inside the flow
+    assert squash(
+        "error: trainer.device is 'cuda' but no CUDA device is visible; use trainer.device=cpu (or auto)"
+    ) in cli_stderr(capsys)  # was a RuntimeError traceback from inside the flow
     assert not lake.exists()
 
 
@@ -472,8 +518,11 @@ def test_npu_without_torch_npu_is_an_input_error():
 
 @pytest.mark.skipif(_has("vllm"), reason="vLLM is installed here")
 def test_vllm_engine_without_vllm_is_an_input_error_before_the_device():
-    with pytest.raises(InputError, match=r"rollout.engine is 'vllm' but vLLM is not installed: .*; or set "
-                                         r"rollout.engine=builtin"):
+    with pytest.raises(
+        InputError,
+        match=r"rollout.engine is 'vllm' but vLLM is not installed: .*; or set "
+        r"rollout.engine=builtin",
+    ):
         check_backend(load_config(ARITH, ["rollout.engine=vllm", "trainer.device=cuda"]))
 
 
@@ -489,7 +538,8 @@ def test_offline_spellings_are_all_offline(monkeypatch, tmp_path, value):
     monkeypatch.setenv("HF_HUB_OFFLINE", value)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert input_error(load_config(ARITH, ["model.path=Org/not-cached"])).startswith(
-        "model.path 'Org/not-cached' is not a local directory, and as a hub id it is not in the Hugging Face cache")
+        "model.path 'Org/not-cached' is not a local directory, and as a hub id it is not in the Hugging Face cache"
+    )
 
 
 def test_tilde_path_says_it_is_not_expanded():
@@ -510,8 +560,10 @@ def test_hub_id_cached_as_missing_offline(monkeypatch, tmp_path):
     (repo / ".no_exist" / "abc123").mkdir(parents=True)
     (repo / ".no_exist" / "abc123" / "config.json").touch()
     msg = input_error(load_config(ARITH, ["model.path=Org/gone"]))
-    assert msg.startswith("model.path 'Org/gone' is not a local directory, and as a hub id it is not in the Hugging "
-                          f"Face cache ({tmp_path / 'hub'}) while HF_HUB_OFFLINE=1 forbids downloading")
+    assert msg.startswith(
+        "model.path 'Org/gone' is not a local directory, and as a hub id it is not in the Hugging "
+        f"Face cache ({tmp_path / 'hub'}) while HF_HUB_OFFLINE=1 forbids downloading"
+    )
 
 
 def test_dataset_and_eval_dataset_are_checked_with_their_own_splits(monkeypatch, tmp_path):
@@ -519,9 +571,17 @@ def test_dataset_and_eval_dataset_are_checked_with_their_own_splits(monkeypatch,
 
     seen = []
     monkeypatch.setattr(storage.datasets, "check_readable", lambda uri, fmt, split: seen.append((uri, fmt, split)))
-    check_inputs(load_config(None, ["task.kind=dataset", f"lake.uri={tmp_path / 'lake'}",
-                                    "task.dataset={uri: org/train-set, eval_uri: org/eval-set, format: hf, "
-                                    "split: train, eval_split: validation}"]))
+    check_inputs(
+        load_config(
+            None,
+            [
+                "task.kind=dataset",
+                f"lake.uri={tmp_path / 'lake'}",
+                "task.dataset={uri: org/train-set, eval_uri: org/eval-set, format: hf, "
+                "split: train, eval_split: validation}",
+            ],
+        )
+    )
     assert seen == [("org/train-set", "hf", "train"), ("org/eval-set", "hf", "validation")]
 
 

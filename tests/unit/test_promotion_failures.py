@@ -21,9 +21,12 @@ def _session(tmp_path, tiny_hf, keep: int = 2) -> SimpleNamespace:
     """What _save_and_promote and mark_failed read of a run's session, with a real lake and model."""
     model = tiny_hf.model
     return SimpleNamespace(
-        lake=Lake(str(tmp_path / "lake")), run_id=RUN, tokenizer=tiny_hf.tokenizer,
+        lake=Lake(str(tmp_path / "lake")),
+        run_id=RUN,
+        tokenizer=tiny_hf.tokenizer,
         trainer=SimpleNamespace(model=model, optimizer=None),
-        cfg=SimpleNamespace(lake=SimpleNamespace(keep_optimizer_state=keep), pipeline=SimpleNamespace(mode="periodic")))
+        cfg=SimpleNamespace(lake=SimpleNamespace(keep_optimizer_state=keep), pipeline=SimpleNamespace(mode="periodic")),
+    )
 
 
 def _trained(s, k: int) -> None:

@@ -80,9 +80,18 @@ def test_the_bootstrap_cache_key_depends_on_the_run_seed():
 def test_build_trainer_passes_the_configured_settings(mode, decoupled):
     """AdamW gets the configured betas, weight decay and rate; the loss the rollout temperature and clip range; the
     decoupled (off-policy) loss is used in async mode only (sync and periodic are exactly on-policy)."""
-    cfg = load_config(None, [f"pipeline.mode={mode}", "trainer.beta1=0.8", "trainer.beta2=0.95",
-                             "trainer.weight_decay=0.1", "trainer.lr=0.002", "rollout.temperature=0.7",
-                             "algorithm.clip_high=0.28"])
+    cfg = load_config(
+        None,
+        [
+            f"pipeline.mode={mode}",
+            "trainer.beta1=0.8",
+            "trainer.beta2=0.95",
+            "trainer.weight_decay=0.1",
+            "trainer.lr=0.002",
+            "rollout.temperature=0.7",
+            "algorithm.clip_high=0.28",
+        ],
+    )
     tok = build_char_tokenizer()
     trainer = session_module.build_trainer(cfg, build_tiny_model(len(tok), seed=0, **TINY), tok, torch.device("cpu"))
     group = trainer.optimizer.param_groups[0]
@@ -107,8 +116,12 @@ def test_a_recomputing_trainer_resumed_at_v0_has_no_proximal_weights(tmp_path):
     """v0 has no version before it: resuming an async `prox_logp: recompute` run at v0 loads v0 and no proximal
     policy (the first batch's tokens are at most one version behind, which needs none)."""
     lake, tok, _ = _saved(tmp_path, 0)
-    trainer = PolicyTrainer(build_tiny_model(len(tok), seed=5, **TINY), None, lr=1e-2,
-                            loss=LossSettings(decoupled=True, prox_logp="recompute"))
+    trainer = PolicyTrainer(
+        build_tiny_model(len(tok), seed=5, **TINY),
+        None,
+        lr=1e-2,
+        loss=LossSettings(decoupled=True, prox_logp="recompute"),
+    )
     session_module.restore_trainer(trainer, lake, "r", 0)
     assert trainer.prox_version is None
 
@@ -145,8 +158,10 @@ def test_close_ends_the_workers_and_shared_weights_even_when_the_background_writ
 
 def test_resume_of_a_run_that_does_not_exist_is_refused(tmp_path):
     """`resume` of a run id the lake does not hold fails by name and creates nothing (it must not start a new run)."""
-    cfg = load_config(None, [f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false", "run.run_id=ghost",
-                             "bootstrap.steps=0", *SMALL])
+    cfg = load_config(
+        None,
+        [f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false", "run.run_id=ghost", "bootstrap.steps=0", *SMALL],
+    )
     try:
         s = session_module.open_session(cfg, resume=True)
     except FileNotFoundError as e:
@@ -159,12 +174,16 @@ def test_resume_of_a_run_that_does_not_exist_is_refused(tmp_path):
     assert not lake.fs.exists(lake.run_dir("ghost"))
 
 
-@pytest.mark.parametrize("mode,engine,push,expected", [
-    ("sync", "builtin", True, True), ("periodic", "builtin", True, True),
-    ("async", "builtin", True, False),  # async workers load each promoted checkpoint mid-generation
-    ("periodic", "vllm", True, False),  # vLLM loads checkpoints
-    ("periodic", "builtin", False, False),
-])
+@pytest.mark.parametrize(
+    "mode,engine,push,expected",
+    [
+        ("sync", "builtin", True, True),
+        ("periodic", "builtin", True, True),
+        ("async", "builtin", True, False),  # async workers load each promoted checkpoint mid-generation
+        ("periodic", "vllm", True, False),  # vLLM loads checkpoints
+        ("periodic", "builtin", False, False),
+    ],
+)
 def test_weights_are_pushed_through_shared_memory_only_where_workers_can_take_them(mode, engine, push, expected):
     """`pipeline.push_weights` applies to sync / periodic with the builtin engine only."""
     cfg = load_config(None, [f"pipeline.mode={mode}", f"pipeline.push_weights={str(push).lower()}"])

@@ -152,13 +152,29 @@ def test_length_invariant_violation_raises(local_lake, field):
     assert not local_lake.fs.exists(path)
 
 
-
 def test_the_schema_pins_which_fields_a_sample_must_have():
-    required = ["run_id", "iteration", "policy_version", "group_id", "prompt_id", "sample_index", "prompt_ids",
-                "response_ids", "behavior_logprobs", "token_versions", "reward", "finish_reason"]
+    required = [
+        "run_id",
+        "iteration",
+        "policy_version",
+        "group_id",
+        "prompt_id",
+        "sample_index",
+        "prompt_ids",
+        "response_ids",
+        "behavior_logprobs",
+        "token_versions",
+        "reward",
+        "finish_reason",
+    ]
     assert [f.name for f in ROLLOUT_SCHEMA if not f.nullable] == required
-    assert [f.name for f in ROLLOUT_SCHEMA if f.nullable] == ["prompt_text", "response_text", "worker", "seed",
-                                                              "created_at"]
+    assert [f.name for f in ROLLOUT_SCHEMA if f.nullable] == [
+        "prompt_text",
+        "response_text",
+        "worker",
+        "seed",
+        "created_at",
+    ]
 
 
 @pytest.mark.parametrize("field", ["reward", "finish_reason", "policy_version"])

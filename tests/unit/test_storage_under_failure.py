@@ -264,11 +264,15 @@ def test_a_shared_folder_already_built_is_kept(request, tiny_hf, lake_kind):
     final = f"{lake.root}/bootstrap/key"
     model = tiny_hf.model
     first = {k: v.clone() for k, v in model.state_dict().items()}
-    assert checkpoints.save_model_dir(lake, final, lake.tmp_path(RUN, "a"), model, tiny_hf.tokenizer,
-                                      keep_existing=True) == final
+    assert (
+        checkpoints.save_model_dir(lake, final, lake.tmp_path(RUN, "a"), model, tiny_hf.tokenizer, keep_existing=True)
+        == final
+    )
     trained_optimizer(model)  # other weights
-    assert checkpoints.save_model_dir(lake, final, lake.tmp_path(RUN, "b"), model, tiny_hf.tokenizer,
-                                      keep_existing=True) == final
+    assert (
+        checkpoints.save_model_dir(lake, final, lake.tmp_path(RUN, "b"), model, tiny_hf.tokenizer, keep_existing=True)
+        == final
+    )
     verify_checkpoint(lake, final)
     kept = checkpoints.load_weights(lake, final)
     assert all(torch.equal(kept[k], first[k]) for k in kept)
@@ -289,8 +293,12 @@ def test_a_shared_folder_that_lands_during_a_build_is_kept(tiny_hf, lake, monkey
 
     monkeypatch.setattr(os, "makedirs", makedirs)
     trained_optimizer(tiny_hf.model)
-    assert checkpoints.save_model_dir(lake, final, lake.tmp_path(RUN, "b"), tiny_hf.model, tiny_hf.tokenizer,
-                                      keep_existing=True) == final
+    assert (
+        checkpoints.save_model_dir(
+            lake, final, lake.tmp_path(RUN, "b"), tiny_hf.model, tiny_hf.tokenizer, keep_existing=True
+        )
+        == final
+    )
     assert Path(final, "MANIFEST.json").read_bytes() == Path(other, "MANIFEST.json").read_bytes()
     assert list(Path(lake.run_dir(RUN), "_tmp").iterdir()) == []
 

@@ -73,8 +73,12 @@ def test_build_tiny_model_architecture_and_settings(arch, cls):
     assert next(model.parameters()).dtype == torch.float32
     assert model.config._attn_implementation == "sdpa"
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert (model.config.vocab_size, model.config.pad_token_id, model.config.bos_token_id,
-            model.config.eos_token_id) == (40, 0, 1, 2)
+    assert (
+        model.config.vocab_size,
+        model.config.pad_token_id,
+        model.config.bos_token_id,
+        model.config.eos_token_id,
+    ) == (40, 0, 1, 2)
 
 
 def test_unknown_arch_is_refused():

@@ -153,8 +153,9 @@ def _logprobs(model: torch.nn.Module, groups: list[RolloutGroup]) -> tuple[torch
 
 
 def _decoupled_trainer(policy, prox: str, previous=None, previous_version: int | None = None, **loss):
-    trainer = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD,
-                            loss=LossSettings(decoupled=True, prox_logp=prox, **loss))
+    trainer = PolicyTrainer(
+        policy, None, lr=1e-2, pad_token_id=PAD, loss=LossSettings(decoupled=True, prox_logp=prox, **loss)
+    )
     if previous is not None and trainer.prox_model is not None:  # what a resumed run loads: one version back
         trainer.prox_model.load_state_dict(previous.state_dict())
         trainer.prox_version = previous_version
@@ -233,8 +234,11 @@ def test_the_proximal_weights_follow_the_optimizer_steps(models):
 
     policy, _ = models
     trainer = _decoupled_trainer(policy, "recompute")
-    with pytest.raises(RuntimeError, match=r"proximal policy of trainer version 3 is v2, but the trainer holds no "
-                                           r"proximal weights: load them into prox_model"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"proximal policy of trainer version 3 is v2, but the trainer holds no "
+        r"proximal weights: load them into prox_model",
+    ):
         trainer.micro_step(_stale_groups(policy, token_version=1, noise=0.3, seed=4), version=3)
     trainer.micro_step(_stale_groups(policy, token_version=0, noise=0.3, seed=4), version=0)
     v0 = copy.deepcopy(policy.state_dict())

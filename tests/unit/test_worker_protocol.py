@@ -26,13 +26,26 @@ RUN_SEED = 5
 @pytest.fixture
 def worker(tmp_path) -> _Worker:
     tok = build_char_tokenizer()
-    model = build_tiny_model(len(tok), seed=0, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64)
+    model = build_tiny_model(
+        len(tok), seed=0, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64
+    )
     model_dir = save_hf(model, tok, tmp_path / "v0")
     prompts = [(i, f"{i}+1=", str(i + 1), tok(f"{i}+1=", add_special_tokens=False)["input_ids"]) for i in range(6)]
-    spec = WorkerSpec(lake_uri=str(tmp_path / "lake"), run_id="w", model_dir=str(model_dir), threads=1,
-                      run_seed=RUN_SEED, group_size=4, max_new_tokens=6, temperature=1.0, top_p=1.0,
-                      partial_credit=0.0, compression=None, reward_kind="arithmetic", prompts=prompts)
+    spec = WorkerSpec(
+        lake_uri=str(tmp_path / "lake"),
+        run_id="w",
+        model_dir=str(model_dir),
+        threads=1,
+        run_seed=RUN_SEED,
+        group_size=4,
+        max_new_tokens=6,
+        temperature=1.0,
+        top_p=1.0,
+        partial_credit=0.0,
+        compression=None,
+        reward_kind="arithmetic",
+        prompts=prompts,
+    )
     return _Worker(0, spec, queue.Queue(), os.getppid())
 
 
@@ -43,7 +56,8 @@ def test_a_chunk_becomes_one_shard_of_whole_seeded_groups_in_plan_order(worker):
     assert info["groups"] == 2
     rows = table_to_records(read_shard(worker.lake, info["path"], info["checksum"]))
     assert [(r.group_id, r.prompt_id, r.sample_index) for r in rows] == [
-        (f"3-{p}", p, j) for p in (4, 1) for j in range(4)]
+        (f"3-{p}", p, j) for p in (4, 1) for j in range(4)
+    ]
     assert [r.seed for r in rows] == [sample_seed(RUN_SEED, 3, p, j) for p in (4, 1) for j in range(4)]
     assert len({tuple(r.response_ids) for r in rows[:4]}) > 1  # the samples of a group differ
     assert all(r.policy_version == 0 and r.iteration == 3 and set(r.token_versions) <= {0} for r in rows)
@@ -73,8 +87,9 @@ class Served:
         monkeypatch.setattr(worker, "generate_chunk", generate)
         monkeypatch.setattr(checkpoints, "load_weights", lambda lake, source: None)
         monkeypatch.setattr(checkpoints, "load_into", lambda model, state: None)
-        self.thread = threading.Thread(target=worker.serve, args=(0, "c0", max_staleness, False, self.work,
-                                                                  queue.Queue()), daemon=True)
+        self.thread = threading.Thread(
+            target=worker.serve, args=(0, "c0", max_staleness, False, self.work, queue.Queue()), daemon=True
+        )
         self.thread.start()
 
     def announce(self, version: int) -> None:

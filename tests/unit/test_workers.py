@@ -13,9 +13,21 @@ from tasks.workers import WorkerError, WorkerPool, WorkerSpec
 
 
 def _spec(tmp_path, model_dir: str) -> WorkerSpec:
-    return WorkerSpec(lake_uri=str(tmp_path / "lake"), run_id="w", model_dir=model_dir, threads=1, run_seed=0,
-                      group_size=2, max_new_tokens=2, temperature=1.0, top_p=1.0, partial_credit=0.0,
-                      compression=None, reward_kind="arithmetic", prompts=[])
+    return WorkerSpec(
+        lake_uri=str(tmp_path / "lake"),
+        run_id="w",
+        model_dir=model_dir,
+        threads=1,
+        run_seed=0,
+        group_size=2,
+        max_new_tokens=2,
+        temperature=1.0,
+        top_p=1.0,
+        partial_credit=0.0,
+        compression=None,
+        reward_kind="arithmetic",
+        prompts=[],
+    )
 
 
 def test_unstartable_worker_fails_its_first_command(tmp_path):
@@ -92,7 +104,9 @@ def test_shared_weights_carry_a_version_between_mappings(tmp_path, tiny_hf):
         assert len(shared.layout) == n_params  # tied embeddings: one entry
         worker_model = build_tiny_model(len(build_char_tokenizer()), seed=1, **TINY)
         name = "model.layers.0.mlp.up_proj.weight"
-        assert not torch.equal(dict(worker_model.named_parameters())[name], dict(trainer_model.named_parameters())[name])
+        assert not torch.equal(
+            dict(worker_model.named_parameters())[name], dict(trainer_model.named_parameters())[name]
+        )
         with torch.no_grad():
             for p in trainer_model.parameters():
                 p.add_(0.25)  # a "new version"
@@ -160,8 +174,12 @@ def test_worker_ends_when_its_parent_is_killed_mid_generation(tmp_path, tiny_hf)
 
     model_dir = save_hf(tiny_hf.model, tiny_hf.tokenizer, tmp_path / "v0")
     lake = tmp_path / "lake"
-    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, str(model_dir), str(lake)],
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_PARENT, str(model_dir), str(lake)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     try:
         worker = int(parent.stdout.readline())
         deadline = time.monotonic() + 120
@@ -213,7 +231,11 @@ def test_a_dead_workers_last_message_is_still_read():
     ran out and the pool saw the process gone. The traceback must still be what the error says, not a bare
     'died (exit code 1)'."""
     pool = WorkerPool.__new__(WorkerPool)  # the message protocol alone, without starting a worker
-    pool.procs, pool.results, pool.failed = [_DeadWorker()], [_LateResults(("error", "Traceback: no model in /x"))], None
+    pool.procs, pool.results, pool.failed = (
+        [_DeadWorker()],
+        [_LateResults(("error", "Traceback: no model in /x"))],
+        None,
+    )
     with pytest.raises(WorkerError, match="rollout worker 0 failed:\nTraceback: no model in /x"):
         pool._next(0)
     assert not pool.alive()
