@@ -14,9 +14,20 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts (report figures, the config): `mlruns/` beside a SQLite store's
+    file, where MLflow's default is `./mlruns` in whatever folder the process started in (the test suite left 35
+    runs' artifacts in the repository that way); a server's own choice otherwise."""
+    if not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
+        return None
+    db = uri[len("sqlite:///") :].split("?", 1)[0]
+    return Path(os.path.abspath(db)).parent.joinpath("mlruns").as_uri()
 
 
 @dataclass
@@ -33,7 +44,11 @@ class Tracker:
         os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+        exp_id = (
+            exp.experiment_id
+            if exp is not None
+            else client.create_experiment(experiment, artifact_location=artifact_location(uri))
+        )
         existing = client.search_runs([exp_id], filter_string=f"tags.`lockstep.run_id` = '{run_name}'", max_results=1)
         if existing:  # a resumed run keeps logging into the same MLflow run
             run_id = existing[0].info.run_id

@@ -10,7 +10,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from storage.tracking import Tracker
+from storage.tracking import Tracker, artifact_location
 
 
 def _uri(tmp_path) -> str:
@@ -115,3 +115,16 @@ def test_a_failing_run_is_marked_failed_without_raising_a_write_error(tmp_path):
     plain = Tracker.start(uri, "exp", "run-k2")
     plain.finish("KILLED")
     assert client.get_run(plain.run_id).info.status == "KILLED"
+
+
+def test_artifacts_of_a_sqlite_store_go_beside_its_file(tmp_path, monkeypatch):
+    # MLflow's default artifact root is ./mlruns of the current folder, wherever the database is
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    t = Tracker.start(f"sqlite:///{tmp_path / 'elsewhere' / 'mlflow.db'}", "exp", "r1")
+    t.client.log_text(t.run_id, "hello", "note.txt")
+    t.finish("FINISHED")
+    assert (tmp_path / "elsewhere" / "mlruns").is_dir() and not (tmp_path / "mlruns").exists()
+    assert [p.read_text() for p in (tmp_path / "elsewhere" / "mlruns").rglob("note.txt")] == ["hello"]
+    assert artifact_location("sqlite:///mlflow.db") == (tmp_path / "mlruns").as_uri()  # relative: this folder
+    assert artifact_location("http://127.0.0.1:5000") is None
