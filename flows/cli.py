@@ -409,9 +409,12 @@ def cmd_runs(args) -> int:
         except ValueError:
             print(f"{run_id!r}: not a run (its name is not a run id), skipped", file=sys.stderr)
             continue
-        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in lake.fs.ls(path, detail=False)}
-        if names and names <= set(lease.FILES) and lease.holder(lake, run_id) is None:
-            continue  # the lease of a start that gave up before writing the run's config: not a run
+        if (
+            not lease.other_entries(lake, run_id)
+            and lease.holder(lake, run_id) is None
+            and lake.fs.ls(path, detail=False)
+        ):
+            continue  # the lease files of a start that gave up before writing the run's config: not a run
         try:
             records = ledger.read_all(lake, run_id)
             version = checkpoints.promoted_version(lake, run_id)

@@ -45,10 +45,10 @@ def replay_flow(run_id: str, lake_uri: str = "./lake", to_run_id: str | None = N
     check_replayable(lake, run_id)
     if to_run_id is None:
         return _replay(run_id, lake)
-    if to_run_id == run_id or _target_exists(lake, to_run_id):
+    if to_run_id == run_id or lease.other_entries(lake, to_run_id):
         raise _exists(lake, to_run_id)
-    with lease.acquire(lake, to_run_id, "replay"):
-        if _target_exists(lake, to_run_id):  # created while this one started
+    with lease.acquire(lake, to_run_id, "replay"):  # its own lease files do not make the target exist
+        if lease.other_entries(lake, to_run_id):  # created while this one started
             raise _exists(lake, to_run_id)
         return _replay(run_id, lake, to_run_id)
 
@@ -66,15 +66,6 @@ def check_replayable(lake: Lake, run_id: str) -> None:
         raise checkpoints.CheckpointError(
             f"run {run_id}'s checkpoint v0 ({v0}) has no MANIFEST.json: replay starts from v0 and cannot without it"
         )
-
-
-def _target_exists(lake: Lake, to_run_id: str) -> bool:
-    """Whether run `to_run_id` has anything but the lease files of a command that gave up before writing its
-    config."""
-    run_dir = lake.run_dir(to_run_id)
-    return lake.fs.exists(run_dir) and any(
-        p.rstrip("/").rsplit("/", 1)[-1] not in lease.FILES for p in lake.fs.ls(run_dir, detail=False)
-    )
 
 
 def _exists(lake: Lake, to_run_id: str) -> FileExistsError:

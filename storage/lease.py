@@ -37,7 +37,7 @@ from storage.lake import Lake
 TTL_S = 60.0
 RENEW_S = 15.0
 SETTLE_S = 0.2  # between writing a remote lease and reading it back: a rival's write lands in this window
-FILES = ("LOCK", "LEASE.json")  # what a run folder holds before its config.json
+FILES = ("LOCK", "LEASE.json")
 PROBE_RETRIES = 20  # `holder()` (lockstep runs) holds a shared lock for an instant: an acquire that meets it retries
 PROBE_WAIT_S = 0.005
 
@@ -143,10 +143,6 @@ class RunLease:
         self._renewer: threading.Thread | None = None
         self.lost: dict | None = None  # the lease found in place of this one by a renewal
 
-    @property
-    def held(self) -> bool:
-        return (self._fd is not None or self._token is not None) and self.lost is None
-
     def check(self) -> None:
         """RunInUseError if a renewal found the lease taken over: another process may now write the run, so this
         one stops before it promotes anything more."""
@@ -207,6 +203,15 @@ def _lock_path(lake: Lake, run_id: str) -> str:
 
 def _lease_path(lake: Lake, run_id: str) -> str:
     return f"{lake.run_dir(run_id)}/{FILES[1]}"
+
+
+def other_entries(lake: Lake, run_id: str) -> list[str]:
+    """The names in run `run_id`'s folder besides its lease files: none for a folder that a start which gave up before
+    writing the run's config left (or an empty or missing one)."""
+    run_dir = lake.run_dir(run_id)
+    if not lake.fs.exists(run_dir):
+        return []
+    return [n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in lake.fs.ls(run_dir, detail=False)) if n not in FILES]
 
 
 def _read_remote(fs, path: str) -> dict | None:
