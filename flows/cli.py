@@ -212,10 +212,8 @@ def cmd_resume(args) -> int:
     """Continue a failed or killed run from its frozen config and promoted checkpoint."""
     import tempfile
 
-    from storage.lake import Lake
-
     console = _console(stderr=True, soft_wrap=True)
-    lake = Lake(args.lake)
+    lake = _lake(args.lake)
     try:
         path = _run_config_path(lake, args.run_id)
         with lake.fs.open(path, "rb") as f:
@@ -229,6 +227,15 @@ def cmd_resume(args) -> int:
         return _run_flow(console, f.name, [f"lake.uri={args.lake}"], resume=True, source=path)
     finally:
         os.unlink(f.name)
+
+
+def _lake(uri: str):
+    """The `--lake` of a command, its store asked once (object stores) before the command reads it."""
+    from storage.lake import Lake
+
+    lake = Lake(uri)
+    lake.check_reachable()
+    return lake
 
 
 def _run_config_path(lake, run_id: str) -> str:
@@ -247,12 +254,12 @@ def cmd_replay(args) -> int:
     from prefect.exceptions import TerminationSignal
 
     from storage.checkpoints import CheckpointError
-    from storage.lake import Lake, validate_run_id
+    from storage.lake import validate_run_id
     from storage.lease import RunInUseError
     from tasks.preflight import check_prefect_api
 
     try:
-        lake = Lake(args.lake)
+        lake = _lake(args.lake)
         _run_config_path(lake, args.run_id)  # checked before the flow starts Prefect
         if args.to is not None:
             validate_run_id(args.to)
@@ -317,9 +324,8 @@ def cmd_audit(args) -> int:
     from rich.text import Text
 
     from storage import catalog
-    from storage.lake import Lake
 
-    lake = Lake(args.lake)
+    lake = _lake(args.lake)
     try:
         _run_config_path(lake, args.run_id)  # before LanceDB, which would create the catalog folder
     except (ValueError, FileNotFoundError) as e:
@@ -389,9 +395,9 @@ def cmd_audit(args) -> int:
 def cmd_runs(args) -> int:
     """Runs in a lake with their state and last promoted version; a damaged run is listed with what is wrong."""
     from storage import checkpoints, lease, ledger
-    from storage.lake import Lake, validate_run_id
+    from storage.lake import validate_run_id
 
-    lake = Lake(args.lake)
+    lake = _lake(args.lake)
     if not lake.fs.isdir(lake.root):
         what = "is not a directory" if lake.fs.exists(lake.root) else "does not exist"
         print(f"error: lake {args.lake} {what}", file=sys.stderr)
@@ -443,9 +449,8 @@ def _os_reason(e: OSError) -> str:
 def cmd_export(args) -> int:
     """Write one version of a run as a standalone Hugging Face directory."""
     from storage import checkpoints
-    from storage.lake import Lake
 
-    lake = Lake(args.lake)
+    lake = _lake(args.lake)
     try:
         _run_config_path(lake, args.run_id)
         if args.version is not None and args.version < 0:
@@ -488,9 +493,9 @@ def cmd_report(args) -> int:
 
     from configs.schema import Config
     from flows.report import render, run_metrics
-    from storage.lake import Lake, read_json
+    from storage.lake import read_json
 
-    lake = Lake(args.lake)
+    lake = _lake(args.lake)
     try:
         config_path = _run_config_path(lake, args.run_id)
         try:

@@ -20,10 +20,9 @@ _HEAVY = ("prompt_ids", "behavior_logprobs")  # kept in the shards; the catalog 
 
 def catalog_uri(lake: Lake, run_id: str) -> str | None:
     """Where LanceDB stores the run's catalog, or None for filesystems LanceDB cannot write (memory://)."""
-    protocol = lake.fs.protocol if isinstance(lake.fs.protocol, str) else lake.fs.protocol[0]
-    if protocol in ("file", "local"):
+    if lake.is_local:
         return f"{lake.run_dir(run_id)}/catalog"
-    if protocol in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
+    if lake.is_object_store:
         return lake.url(f"{lake.run_dir(run_id)}/catalog")
     return None
 

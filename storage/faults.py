@@ -4,10 +4,10 @@ Unset, a failpoint is a dictionary lookup. Several may be given, comma-separated
 iteration also answers to `name[k]@n`, counted over iteration k's passes only: `mid-train[1]@2` is the second
 micro-step of iteration 1 however many micro-steps iteration 0 had (that depends on how shards landed).
 
-Points: `shard-write` (a shard's bytes written under _tmp/, not yet published), `file-write` (the same for any other
-lake file written through a temporary one), `after-plan` (rollouts in
-flight), `mid-train` (after the first micro-step), `mid-checkpoint` (checkpoint files written, not yet moved
-into place), `before-promote` (checkpoint complete, PROMOTED not written), `after-promote` (PROMOTED written,
+Points: `shard-write` (a shard's bytes written under _tmp/, not yet published; on object stores, before its one
+PUT), `file-write` (the same for any other lake file), `after-plan` (rollouts in flight), `mid-train` (after the
+first micro-step), `mid-checkpoint` (checkpoint files written, not yet moved into place; on object stores, written
+in place without their MANIFEST.json), `before-promote` (checkpoint complete, PROMOTED not written), `after-promote` (PROMOTED written,
 ledger not yet updated). Only `mid-train` is passed with its iteration. A spec that could never fire (another point's
 name, `[k]` on a point passed without its iteration, a pass that is not a positive integer, an empty pass or
 signal, a point armed twice) is refused: a ValueError at the first point passed.

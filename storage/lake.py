@@ -1,7 +1,9 @@
 """The lake: one fsspec URL holding every run (layout in DESIGN.md), and atomic publication on any filesystem.
 
-Writers put bytes under `{run}/_tmp/` and then rename into place (a rename on local disks, a single move on
-memory:// and object stores), so a reader listing a prefix never sees a partial file.
+On local disks (and memory://) writers put bytes under `{run}/_tmp/` and then rename them into place; object stores
+publish an object whole when its upload completes (one PUT, or a multipart upload's completion), so there a file is
+written in place: a "move" there is a copy and a delete. Either way a reader listing a prefix never sees a partial
+file.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from storage import faults
 
+# Protocols whose files appear whole when their upload completes, and which LanceDB can write to.
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -70,9 +75,48 @@ class Lake:
         _, root = fsspec.core.url_to_fs(self.uri)
         return root.rstrip("/")
 
+    @functools.cached_property
+    def store(self) -> fsspec.AbstractFileSystem:
+        """The filesystem behind any cache a chained URL (`simplecache::s3://...`) puts in front of it."""
+        fs = self.fs
+        while isinstance(fs, CachingFileSystem):
+            fs = fs.fs
+        return fs
+
+    @property
+    def protocol(self) -> str:
+        """The store's protocol: "file", "memory", "s3"..."""
+        protocol = self.store.protocol
+        return protocol if isinstance(protocol, str) else protocol[0]
+
     @property
     def is_local(self) -> bool:
         return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def is_object_store(self) -> bool:
+        return self.protocol in OBJECT_STORES
+
+    def check_reachable(self) -> None:
+        """On an object store, ask for the lake's bucket once: a store that does not answer (its endpoint, e.g.
+        AWS_ENDPOINT_URL for an S3-compatible one), refused credentials, or a bucket that does not exist is a
+        LakeURLError naming the lake, before a command's work, not a botocore traceback part-way (a missing bucket
+        was created by the first write, which a typo in its name should not do). Nothing is written."""
+        if not self.is_object_store:
+            return
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self.store.info(bucket)
+        except FileNotFoundError:
+            raise LakeURLError(
+                f"lake {self.uri!r}: bucket {bucket!r} does not exist; create it, or fix the lake's URL"
+            ) from None
+        except Exception as e:  # botocore's EndpointConnectionError, ClientError, NoCredentialsError; PermissionError
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise LakeURLError(
+                f"lake {self.uri!r}: its store cannot be used ({type(e).__name__}: {first}); check the endpoint "
+                "(AWS_ENDPOINT_URL for an S3-compatible store) and the credentials"
+            ) from None
 
     def run_dir(self, run_id: str) -> str:
         return f"{self.root}/runs/{validate_run_id(run_id)}"
@@ -100,9 +144,8 @@ class Lake:
         return f"{self.run_dir(run_id)}/_tmp/{uuid.uuid4().hex}-{name}"
 
     def url(self, path: str) -> str:
-        """A full URL for a path of this lake's filesystem (what tasks pass around)."""
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        return path if protocol in ("file", "local") else f"{protocol}://{path.lstrip('/')}"
+        """A full URL for a path of this lake's store (what tasks pass around and LanceDB opens; past any cache)."""
+        return path if self.protocol in ("file", "local") else f"{self.protocol}://{path.lstrip('/')}"
 
 
 def fsync_path(path: str) -> None:
@@ -119,6 +162,10 @@ def atomic_write_bytes(lake: Lake, run_id: str, path: str, data: bytes) -> None:
     reach the disk before the rename publishes them, and the rename before this returns: after a power cut the
     file is the old one or the new one, never a new name over missing data (object stores publish whole objects)."""
     fs = lake.fs
+    if lake.is_object_store:  # one PUT: the object is there whole or not at all
+        faults.point("shard-write" if path.endswith(".arrow") else "file-write")
+        fs.pipe_file(path, data)
+        return
     tmp = lake.tmp_path(run_id, path.rsplit("/", 1)[-1])
     fs.makedirs(tmp.rsplit("/", 1)[0], exist_ok=True)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -131,6 +178,20 @@ def atomic_write_bytes(lake: Lake, run_id: str, path: str, data: bytes) -> None:
     fs.mv(tmp, path)
     if lake.is_local:
         fsync_path(path.rsplit("/", 1)[0])
+
+
+def move_folder(lake: Lake, src: str, dst: str) -> None:
+    """Move the folder `src` to `dst`. Object stores have no rename: each object is copied, then the sources are
+    deleted, so a stop part-way leaves every object in one place or in both, never lost."""
+    fs = lake.fs
+    if not lake.is_object_store:
+        fs.mv(src, dst, recursive=True)
+        return
+    src = src.rstrip("/")
+    files = fs.find(src)
+    for path in files:
+        fs.copy(path, f"{dst}{path[len(src) :]}")
+    fs.rm(files)
 
 
 def atomic_write_json(lake: Lake, run_id: str, path: str, obj: Any) -> None:

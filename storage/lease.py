@@ -29,7 +29,6 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from storage.lake import Lake
@@ -126,14 +125,6 @@ def _alive_here(holder: dict) -> bool:
     return True
 
 
-def _store(lake: Lake):
-    """The filesystem lease files go to: the lake's own, past any cache a chained URL puts in front of it."""
-    fs = lake.fs
-    while isinstance(fs, CachingFileSystem):
-        fs = fs.fs
-    return fs
-
-
 class RunLease:
     """A held lease; `release()` (idempotent) gives the run back, `check()` raises if it was lost."""
 
@@ -167,7 +158,7 @@ class RunLease:
             self._stop.set()
             if self._renewer is not None:
                 self._renewer.join()
-            fs, path = _store(self.lake), _lease_path(self.lake, self.run_id)
+            fs, path = self.lake.store, _lease_path(self.lake, self.run_id)
             with contextlib.suppress(FileNotFoundError):
                 if (_read_remote(fs, path) or {}).get("token") == token:
                     fs.rm(path)
@@ -179,7 +170,7 @@ class RunLease:
         self.release()
 
     def _renew(self, holder: dict) -> None:
-        fs, path = _store(self.lake), _lease_path(self.lake, self.run_id)
+        fs, path = self.lake.store, _lease_path(self.lake, self.run_id)
         log = logging.getLogger("lockstep")
         while not self._stop.wait(RENEW_S):
             try:
@@ -240,7 +231,7 @@ def acquire(lake: Lake, run_id: str, command: str) -> RunLease:
     what to do if another process has it. Creates the run's folder if it does not exist yet. No process may be
     forked while a local lease is held (spawn only, as lockstep's workers are): a forked copy of the descriptor
     would keep the run locked after its holder died."""
-    fs = _store(lake)
+    fs = lake.store
     fs.makedirs(lake.run_dir(run_id), exist_ok=True)
     holder = _holder(command)
     if isinstance(fs, LocalFileSystem):
@@ -278,7 +269,7 @@ def acquire(lake: Lake, run_id: str, command: str) -> RunLease:
 
 def holder(lake: Lake, run_id: str) -> dict | None:
     """Who holds run `run_id` now (host, pid, command, since), or None if nobody does."""
-    fs = _store(lake)
+    fs = lake.store
     if isinstance(fs, LocalFileSystem):
         try:
             fd = os.open(_lock_path(lake, run_id), os.O_RDONLY | os.O_CLOEXEC)

@@ -2,8 +2,8 @@
 talks to (the Prefect API, the MLflow tracking store).
 
 `check_inputs` runs after the config has validated and before any work (no weights loaded, no lake, Prefect or
-MLflow touched), so that a wrong path fails at `lockstep train` with the field, the value and what to do, not
-minutes later as a transformers or fsspec traceback inside the flow. Sizes the config alone decides (arithmetic
+MLflow touched; a lake on an object store is asked for its bucket), so that a wrong path fails at `lockstep train`
+with the field, the value and what to do, not minutes later as a transformers or fsspec traceback inside the flow. Sizes the config alone decides (arithmetic
 splits against the batch) are checked by `Config` itself. `check_prefect_api` runs before a flow starts (the CLI),
 `check_tracking` before the run is written and the bootstrap's minutes are spent (`open_session`): an MLflow server
 that is down was found only after the bootstrap, then retried for minutes.
@@ -121,11 +121,11 @@ def check_backend(cfg: Config):
 
 def check_inputs(cfg: Config) -> None:
     """Raise `InputError` (a `ConfigError`) for a lake, model or dataset the run could not use; cheap, no side
-    effects."""
-    from storage.lake import LakeURLError, check_lake_url
+    effects (a lake on an object store is asked for its bucket)."""
+    from storage.lake import Lake, LakeURLError
 
     try:
-        check_lake_url(cfg.lake.uri)
+        Lake(cfg.lake.uri).check_reachable()
     except LakeURLError as e:
         raise InputError(f"lake.uri: {e}") from None
     if cfg.model.path is not None:

@@ -29,7 +29,7 @@ from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model
 from models.trainer import LossSettings, PolicyTrainer
 from storage import checkpoints, lease
 from storage.datasets import DatasetError
-from storage.lake import Lake, atomic_write_bytes, validate_run_id
+from storage.lake import Lake, atomic_write_bytes, move_folder, validate_run_id
 from storage.tracking import Tracker
 from tasks.preflight import InputError, check_backend, check_inputs, check_tracking
 from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
@@ -593,7 +593,7 @@ def set_aside_unpromoted_rollouts(lake: Lake, run_id: str, promoted: int) -> lis
             aside = aside or lake.quarantine_dir(run_id, "unpromoted")
             dest = f"{aside}/{name}"
             fs.makedirs(aside, exist_ok=True)
-            fs.mv(folder, dest, recursive=True)
+            move_folder(lake, folder, dest)
             moved.append(dest)
     return moved
 
