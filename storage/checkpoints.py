@@ -135,9 +135,12 @@ def save_model_dir(
     the tensors of `snap` if given (`model` and `optimizer` as they are now otherwise).
 
     Files go to the temporary path first and are moved into place as a whole: a crash leaves at most a stray
-    temporary folder, never a half-written directory under its final name. A complete directory already at
-    `final` is replaced (an earlier attempt that was not promoted), or with `keep_existing` kept and this write
-    dropped (a folder shared by runs, named by its content's key, which another run may be loading).
+    temporary folder, never a half-written directory under its final name. On object stores (no rename) they are
+    written at `final` with MANIFEST.json last, so a crash leaves a folder without one, which every reader refuses
+    and the next write replaces (`tmp` is not used). A complete directory already at `final` is replaced (an
+    earlier attempt that was not promoted), or with `keep_existing` kept and this write dropped (a folder shared by
+    runs, named by its content's key, which another run may be loading; on object stores such a folder must have a
+    single writer: `bootstrap_v0` gives each its own).
     """
     snap = snap or snapshot(model, optimizer)
     fs = lake.fs
@@ -171,10 +174,8 @@ def save_model_dir(
             fs.rm(final, recursive=True)
         if lake.is_object_store:  # objects in place (a move is a copy there), MANIFEST.json last: until it is
             # there, verify_checkpoint and every reader take the folder as incomplete
-            files = sorted(str(p.relative_to(local)) for p in Path(local).rglob("*") if p.is_file())
-            for rel in files:
-                if rel != "MANIFEST.json":
-                    fs.put_file(f"{local}/{rel}", f"{final}/{rel}")
+            for rel in sorted(json.loads(Path(local, "MANIFEST.json").read_bytes())):
+                fs.put_file(f"{local}/{rel}", f"{final}/{rel}")
             faults.point("mid-checkpoint")
             fs.put_file(f"{local}/MANIFEST.json", f"{final}/MANIFEST.json")
         else:

@@ -98,25 +98,40 @@ class Lake:
         return self.protocol in OBJECT_STORES
 
     def check_reachable(self) -> None:
-        """On an object store, ask for the lake's bucket once: a store that does not answer (its endpoint, e.g.
+        """On an object store, list the lake's prefix once: a store that does not answer (its endpoint, e.g.
         AWS_ENDPOINT_URL for an S3-compatible one), refused credentials, or a bucket that does not exist is a
-        LakeURLError naming the lake, before a command's work, not a botocore traceback part-way (a missing bucket
-        was created by the first write, which a typo in its name should not do). Nothing is written."""
+        LakeURLError naming the lake, before a command's work, not a botocore traceback part-way. Nothing is
+        written."""
         if not self.is_object_store:
             return
+        fs = self.store
+        fs.invalidate_cache(self.root)
+        try:
+            fs.ls(self.root, detail=False)  # the lake's own prefix: all that credentials limited to it may list
+            return
+        except FileNotFoundError:  # a new lake, or no such bucket
+            pass
+        except Exception as e:  # botocore's EndpointConnectionError, ParamValidationError; PermissionError
+            reason = " ".join(str(e).split())[:400]
+            raise LakeURLError(
+                f"lake {self.uri!r}: its store cannot be used ({type(e).__name__}: {reason}); check the URL, the "
+                "endpoint (AWS_ENDPOINT_URL for an S3-compatible store) and the credentials"
+            ) from None
         bucket = self.root.split("/", 1)[0]
         try:
-            self.store.info(bucket)
+            fs.info(bucket)
         except FileNotFoundError:
             raise LakeURLError(
                 f"lake {self.uri!r}: bucket {bucket!r} does not exist; create it, or fix the lake's URL"
             ) from None
-        except Exception as e:  # botocore's EndpointConnectionError, ClientError, NoCredentialsError; PermissionError
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            raise LakeURLError(
-                f"lake {self.uri!r}: its store cannot be used ({type(e).__name__}: {first}); check the endpoint "
-                "(AWS_ENDPOINT_URL for an S3-compatible store) and the credentials"
-            ) from None
+        except Exception:  # a bucket-level request refused to credentials limited to a prefix: usable
+            pass
+
+    def makedirs(self, path: str) -> None:
+        """A folder for files to come; nothing on object stores, which have none (s3fs would create a missing
+        bucket)."""
+        if not self.is_object_store:
+            self.store.makedirs(path, exist_ok=True)
 
     def run_dir(self, run_id: str) -> str:
         return f"{self.root}/runs/{validate_run_id(run_id)}"
@@ -163,12 +178,12 @@ def atomic_write_bytes(lake: Lake, run_id: str, path: str, data: bytes) -> None:
     file is the old one or the new one, never a new name over missing data (object stores publish whole objects)."""
     fs = lake.fs
     if lake.is_object_store:  # one PUT: the object is there whole or not at all
-        faults.point("shard-write" if path.endswith(".arrow") else "file-write")
+        faults.point("shard-write" if path.endswith(".arrow") else "file-write")  # literals: test_faults reads them
         fs.pipe_file(path, data)
         return
     tmp = lake.tmp_path(run_id, path.rsplit("/", 1)[-1])
-    fs.makedirs(tmp.rsplit("/", 1)[0], exist_ok=True)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    lake.makedirs(tmp.rsplit("/", 1)[0])
+    lake.makedirs(path.rsplit("/", 1)[0])
     with fs.open(tmp, "wb") as f:
         f.write(data)
         if lake.is_local:

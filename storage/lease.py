@@ -232,7 +232,7 @@ def acquire(lake: Lake, run_id: str, command: str) -> RunLease:
     forked while a local lease is held (spawn only, as lockstep's workers are): a forked copy of the descriptor
     would keep the run locked after its holder died."""
     fs = lake.store
-    fs.makedirs(lake.run_dir(run_id), exist_ok=True)
+    lake.makedirs(lake.run_dir(run_id))
     holder = _holder(command)
     if isinstance(fs, LocalFileSystem):
         # The file is never removed: removing it while another process opens it would give the two of them locks

@@ -96,7 +96,7 @@ def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]
         except ShardError:
             folder = folder or s.lake.quarantine_dir(run_id, f"iter-{iteration:06d}")
             dest = f"{folder}/{path.rsplit('/', 1)[-1]}"
-            fs.makedirs(folder, exist_ok=True)
+            s.lake.makedirs(folder)
             fs.mv(path, dest)
             quarantined.append(dest)
     return valid, quarantined

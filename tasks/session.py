@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -266,11 +267,16 @@ def bootstrap_key(cfg: Config) -> str:
 
 
 def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
-    """The initial policy v0 as an HF directory in the lake (`bootstrap/{key}`); built once, then reused."""
+    """The initial policy v0 as an HF directory in the lake (`bootstrap/{key}`); built once, then reused.
+
+    On an object store each builder writes its own `bootstrap/{key}/{writer}/` (two runs that start together
+    would otherwise upload over each other's files, with no rename to settle it) and the first complete one by
+    name serves later runs."""
     final = f"{lake.root}/bootstrap/{bootstrap_key(cfg)}"
-    if lake.fs.exists(f"{final}/MANIFEST.json"):
-        checkpoints.verify_checkpoint(lake, final)
-        return final, True
+    built = _built_bootstrap(lake, final)
+    if built is not None:
+        checkpoints.verify_checkpoint(lake, built)
+        return built, True
     if cfg.model.path:
         model, tokenizer = load_hf(cfg.model.path)
     else:
@@ -316,6 +322,8 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
             stop_when=stop_when,
             check_every=b.check_every,
         )
+    if lake.is_object_store:
+        final = f"{final}/{uuid.uuid4().hex}"
     # another run with the same key may have built it meanwhile and be loading it: keep that one
     checkpoints.save_model_dir(
         lake,
@@ -327,6 +335,16 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
         keep_existing=True,
     )
     return final, False
+
+
+def _built_bootstrap(lake: Lake, folder: str) -> str | None:
+    """The complete bootstrap of `folder` if there is one: the folder itself, or on an object store its first
+    writer's folder (by name) that has its MANIFEST.json."""
+    if not lake.is_object_store:
+        return folder if lake.fs.exists(f"{folder}/MANIFEST.json") else None
+    lake.fs.invalidate_cache(folder)
+    done = sorted(p.rsplit("/", 1)[0] for p in lake.fs.glob(f"{folder}/*/MANIFEST.json"))
+    return done[0] if done else None
 
 
 def accuracy(
@@ -592,7 +610,7 @@ def set_aside_unpromoted_rollouts(lake: Lake, run_id: str, promoted: int) -> lis
         if name.startswith("policy_version=") and int(name.split("=", 1)[1]) > promoted:
             aside = aside or lake.quarantine_dir(run_id, "unpromoted")
             dest = f"{aside}/{name}"
-            fs.makedirs(aside, exist_ok=True)
+            lake.makedirs(aside)
             move_folder(lake, folder, dest)
             moved.append(dest)
     return moved

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -27,7 +28,9 @@ def s3_store() -> Iterator[str]:
     """Yield `s3://BUCKET` of a fresh S3 server, the environment set for the duration."""
     from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    werkzeug = logging.getLogger("werkzeug")
+    level = werkzeug.level
+    werkzeug.setLevel(logging.ERROR)  # a line per request otherwise
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
@@ -42,7 +45,11 @@ def s3_store() -> Iterator[str]:
         with pytest.MonkeyPatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)
-            mp.delenv("AWS_PROFILE", raising=False)
+            for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):  # a developer's own, which
+                # would take precedence (the last one over AWS_ENDPOINT_URL) or send other credentials
+                mp.delenv(k, raising=False)
+            for k in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+                mp.setenv(k, os.devnull)
             forget_s3_clients()
             import fsspec
 
@@ -51,3 +58,4 @@ def s3_store() -> Iterator[str]:
     finally:
         forget_s3_clients()
         server.stop()
+        werkzeug.setLevel(level)

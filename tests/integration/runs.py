@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from storage.lake import Lake
 from storage.shards import read_shard, table_to_records
@@ -56,7 +56,7 @@ def mlflow_run(tmp_path: Path, run_id: str):
 
 def final_params(lake_uri: str, run_id: str, version: int) -> dict:
     lake = Lake(lake_uri)
-    return load_file(f"{lake.checkpoint_dir(run_id, version)}/model.safetensors")
+    return load(lake.fs.cat_file(f"{lake.checkpoint_dir(run_id, version)}/model.safetensors"))
 
 
 def all_samples(lake_uri: str, run_id: str) -> dict:

@@ -5,7 +5,7 @@ Object stores have no rename (a "move" is a copy and a delete, file by file) and
 first run on s3:// failed at its bootstrap checkpoint (s3fs cannot move a folder of objects), and a resume failed
 setting aside unpromoted rollouts the same way. Asserted: a run on S3 killed at a point where object stores differ
 and then resumed ends with the parameters of an uninterrupted run on a local disk (the periodic-invariant
-tolerance, 1e-5), nothing is left under `_tmp/`, and every checkpoint is complete.
+tolerance, 1e-5), and every checkpoint is complete.
 """
 
 from __future__ import annotations
@@ -53,17 +53,14 @@ def fresh(uri: str) -> Lake:
 
 
 def assert_equals_reference(lake: Lake, run_id: str, ref_params: dict) -> None:
-    with lake.fs.open(f"{lake.checkpoint_dir(run_id, ITERS)}/model.safetensors", "rb") as f:
-        from safetensors.torch import load
-
-        params = load(f.read())
+    params = final_params(lake.uri, run_id, ITERS)
     diff = max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params)
     assert diff <= 1e-5, f"the run on S3 differs from the uninterrupted local one by {diff}"
 
 
 def assert_complete(lake: Lake, run_id: str) -> None:
     """Every iteration promoted, each sample trained once and cataloged once, every checkpoint with its manifest
-    and verifiable, nothing left under _tmp/ nor a lease."""
+    and verifiable, no lease left."""
     run = lake.run_dir(run_id)
     records = ledger.read_all(lake, run_id)
     assert [r["state"] for r in records] == ["promoted"] * ITERS
@@ -78,7 +75,6 @@ def assert_complete(lake: Lake, run_id: str) -> None:
     assert len(seen) == ITERS * 8 * 4
     rows = catalog.query(catalog.catalog_uri(lake, run_id), catalog.ROLLOUTS).to_pylist()
     assert len(rows) == len({r["sample_id"] for r in rows}) == ITERS * 8 * 4
-    assert lake.fs.find(f"{run}/_tmp") == []
     assert not lake.fs.exists(f"{run}/LEASE.json")
     folders = [p for p in lake.fs.ls(f"{run}/checkpoints", detail=False) if not p.endswith("PROMOTED")]
     assert len(folders) == ITERS + 1, folders
@@ -159,6 +155,29 @@ def test_a_folder_is_moved_object_by_object_and_unpromoted_rollouts_are_set_asid
     assert [p.rsplit("/", 1)[-1] for p in lake.fs.ls(f"{run}/rollouts", detail=False)] == ["policy_version=2"]
 
 
+def test_bootstrap_builders_on_s3_write_their_own_folders_and_the_first_complete_one_serves(
+    bucket, tmp_path, monkeypatch
+):
+    """Two runs that start together both find no bootstrap and both build it: on S3 (no rename to settle it) each
+    writes its own folder, never over the other's files; later runs take the first complete one by name, never a
+    folder without its MANIFEST.json."""
+    from configs.schema import load_config
+    from tasks import session
+
+    cfg = load_config(write_config(tmp_path, "b", {"bootstrap.steps": 2}, lake=f"{bucket}/boot"))
+    lake = fresh(cfg.lake.uri)
+    first, cached = session.bootstrap_v0(cfg, lake)
+    assert not cached and first.rsplit("/", 2)[-2] == session.bootstrap_key(cfg)
+    before = {p: lake.fs.info(p)["ETag"] for p in lake.fs.find(first)}
+    monkeypatch.setattr(session, "_built_bootstrap", lambda lake, folder: None)  # its lookup ran before `first` ended
+    second, cached = session.bootstrap_v0(cfg, lake)
+    monkeypatch.undo()
+    assert not cached and second != first and second.rsplit("/", 1)[0] == first.rsplit("/", 1)[0]
+    assert {p: lake.fs.info(p)["ETag"] for p in lake.fs.find(first)} == before  # untouched
+    lake.fs.pipe_file(f"{first.rsplit('/', 1)[0]}/0-cut-short/model.safetensors", b"")  # a builder killed early
+    assert session.bootstrap_v0(cfg, fresh(cfg.lake.uri)) == (min(first, second), True)
+
+
 def test_a_file_is_written_in_place_on_s3(bucket, monkeypatch):
     """One PUT, nothing through _tmp/ (a copy and a delete there): a writer killed at its failpoint has left nothing."""
     from storage import faults
@@ -194,6 +213,8 @@ def test_a_missing_bucket_or_an_unreachable_store_is_one_error_line(bucket, caps
     assert not fresh(bucket).fs.exists("no-such-bucket")  # not created either
     with pytest.raises(LakeURLError, match="bucket 'no-such-bucket' does not exist"):
         Lake(missing).check_reachable()
+    with pytest.raises(LakeURLError, match=r"\(ParamValidationError: .*Invalid bucket name \"Bad_Bucket!\""):
+        Lake("s3://Bad_Bucket!/lake").check_reachable()  # the reason, on the error's second line, is kept
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
@@ -203,7 +224,7 @@ def test_a_missing_bucket_or_an_unreachable_store_is_one_error_line(bucket, caps
             Lake(f"{bucket}/lake").check_reachable()
         assert str(e.value).startswith(f"lake '{bucket}/lake': its store cannot be used (EndpointConnectionError: ")
         assert str(e.value).endswith(
-            "check the endpoint (AWS_ENDPOINT_URL for an S3-compatible store) and the credentials"
+            "; check the URL, the endpoint (AWS_ENDPOINT_URL for an S3-compatible store) and the credentials"
         )
         cfg = write_config(tmp_path, "x", lake=f"{bucket}/lake")
         assert cli.main(["train", cfg]) == 2  # before the bootstrap
