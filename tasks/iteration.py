@@ -74,8 +74,10 @@ def list_shards(s, run_id: str, iteration: int) -> list[str]:
     for v in range(max(0, iteration - S), iteration + 1):
         prefix = s.lake.iteration_rollouts(run_id, v, iteration)
         fs.invalidate_cache(prefix)
-        if fs.exists(prefix):
+        try:  # one listing (an exists first cost an object store a request per poll)
             paths.extend(p for p in fs.ls(prefix, detail=False) if p.endswith(".arrow"))
+        except FileNotFoundError:  # nothing published under it yet
+            pass
     return sorted(paths)
 
 
