@@ -7,10 +7,10 @@ micro-step of iteration 1 however many micro-steps iteration 0 had (that depends
 Points: `shard-write` (a shard's bytes written under _tmp/, not yet published; on object stores, before its one
 PUT), `file-write` (the same for any other lake file), `after-plan` (rollouts in flight), `mid-train` (after the
 first micro-step), `mid-checkpoint` (checkpoint files written, not yet moved into place; on object stores, written
-in place without their MANIFEST.json), `before-promote` (checkpoint complete, PROMOTED not written), `after-promote` (PROMOTED written,
-ledger not yet updated). Only `mid-train` is passed with its iteration. A spec that could never fire (another point's
-name, `[k]` on a point passed without its iteration, a pass that is not a positive integer, an empty pass or
-signal, a point armed twice) is refused: a ValueError at the first point passed.
+in place without their MANIFEST.json), `before-promote` (checkpoint complete, PROMOTED not written),
+`after-promote` (PROMOTED written, ledger not yet updated). Only `mid-train` is passed with its iteration. A spec
+that could never fire (another point's name, `[k]` on a point passed without its iteration, a pass that is not a
+positive integer, an empty pass or signal, a point armed twice) is refused: a ValueError at the first point passed.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@ talks to (the Prefect API, the MLflow tracking store).
 
 `check_inputs` runs after the config has validated and before any work (no weights loaded, no lake, Prefect or
 MLflow touched; a lake on an object store is asked for its bucket), so that a wrong path fails at `lockstep train`
-with the field, the value and what to do, not minutes later as a transformers or fsspec traceback inside the flow. Sizes the config alone decides (arithmetic
-splits against the batch) are checked by `Config` itself. `check_prefect_api` runs before a flow starts (the CLI),
-`check_tracking` before the run is written and the bootstrap's minutes are spent (`open_session`): an MLflow server
-that is down was found only after the bootstrap, then retried for minutes.
+with the field, the value and what to do, not minutes later as a transformers or fsspec traceback inside the flow.
+Sizes the config alone decides (arithmetic splits against the batch) are checked by `Config` itself.
+`check_prefect_api` runs before a flow starts (the CLI), `check_tracking` before the run is written and the
+bootstrap's minutes are spent (`open_session`): an MLflow server that is down was found only after the bootstrap,
+then retried for minutes.
 """
 
 from __future__ import annotations
