@@ -70,6 +70,22 @@ def test_resumed_run_logs_into_the_same_mlflow_run(tmp_path):
     assert other.run_id != first.run_id
 
 
+def test_a_resumed_run_logs_new_params_and_keeps_a_changed_one_as_a_tag(tmp_path):
+    """`lockstep resume run --lake lake` from the lake's folder names the lake by a relative path where the first
+    start had an absolute one: MLflow refuses to change a param (the resume failed there); the first value stays,
+    the new one is a tag, and a field the config gained since is logged."""
+    uri = _uri(tmp_path)
+    first = Tracker.start(uri, "exp", "run-c")
+    first.log_params({"lake.uri": "/data/lake", "trainer.lr": 0.001})
+    first.finish()
+    again = Tracker.start(uri, "exp", "run-c")
+    again.log_params({"lake.uri": "lake", "trainer.lr": 0.001, "resources.train_ranks": 1})
+    run = MlflowClient(tracking_uri=uri).get_run(again.run_id)
+    assert run.data.params == {"lake.uri": "/data/lake", "trainer.lr": "0.001", "resources.train_ranks": "1"}
+    assert run.data.tags["lockstep.resumed.lake.uri"] == "lake"
+    assert not any(k.startswith("lockstep.resumed.") and k != "lockstep.resumed.lake.uri" for k in run.data.tags)
+
+
 @pytest.mark.parametrize("mlflow_truncates", ["true", "false"])
 def test_params_are_all_logged_and_long_values_truncated(tmp_path, monkeypatch, mlflow_truncates):
     # the tracker cuts values itself: MLflow refuses a long one when MLFLOW_TRUNCATE_LONG_VALUES=false
