@@ -304,7 +304,16 @@ class PipelineSection(_Section):
 class ResourcesSection(_Section):
     rollout_workers: int = Field(1, ge=1, le=256, description="Long-lived rollout worker processes.")
     rollout_threads: int = Field(1, ge=1, le=512, description="Torch threads per rollout worker.")
-    train_threads: int = Field(1, ge=1, le=512, description="Torch threads of the trainer.")
+    train_threads: int = Field(1, ge=1, le=512, description="Torch threads of the trainer (of each rank).")
+    train_ranks: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Data-parallel trainer processes: the flow's own is rank 0, the others are spawned; each holds "
+        "a whole replica and trains its share of the batch's micro-batches, and their gradients are summed onto "
+        "rank 0 before its optimizer step (the same batch gradient as one process, up to the order of additions). "
+        "CPU: gloo, train_threads each; CUDA: NCCL, rank r on device r (needs that many devices).",
+    )
     borrow_rollout_threads: bool = Field(
         False,
         description="sync / periodic: once every rollout of the iteration "

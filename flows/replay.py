@@ -85,6 +85,13 @@ def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]
     v0 = lake.checkpoint_dir(run_id, 0)
     model, tokenizer = load_hf(checkpoints.local_copy(lake, v0, "/tmp"))
     trainer = build_trainer(cfg, model, tokenizer, resolve_device(cfg.trainer.device))
+    try:
+        return _replay_versions(trainer, cfg, lake, run_id, tokenizer, to_run_id)
+    finally:
+        trainer.close()  # a data-parallel trainer's other ranks
+
+
+def _replay_versions(trainer, cfg, lake: Lake, run_id: str, tokenizer, to_run_id: str | None) -> list[dict]:
     if to_run_id:
         new_cfg = cfg.model_copy(deep=True)
         new_cfg.run.run_id = to_run_id

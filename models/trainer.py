@@ -35,6 +35,13 @@ class RolloutGroup:
     prompt_id: int = -1  # the prompt's id in the task (its place in the batch's plan decides its mini-batch)
 
 
+def group_tokens(group: RolloutGroup, shared: bool) -> int:
+    """The tokens a group packs into: its prompt once and every response (shared), or the prompt per response."""
+    if shared:
+        return len(group.prompt_ids) + sum(len(r) for r in group.responses)
+    return sum(len(group.prompt_ids) + len(r) for r in group.responses)
+
+
 def lr_factor(step: int, total: int, *, kind: str = "constant", warmup: int = 0, min_ratio: float = 0.0) -> float:
     """The learning rate of batch `step` (0-based) of `total`, as a fraction of the peak.
 
@@ -121,6 +128,31 @@ class PolicyTrainer:
     @property
     def pending_samples(self) -> int:
         return self._samples
+
+    def accumulators(self) -> dict:
+        """What the micro-steps since the last optimizer step have summed (besides the gradient): denominator,
+        token-weighted metric sums, counts. Another rank's, merged with `merge_accumulators`, make the batch's."""
+        return {
+            "denominator": self._denominator,
+            "sums": dict(self._sums),
+            "tokens": self._tokens,
+            "maxes": dict(self._maxes),
+            "samples": self._samples,
+            "groups": self._groups,
+        }
+
+    def merge_accumulators(self, acc: dict) -> None:
+        self._denominator += acc["denominator"]
+        for key, value in acc["sums"].items():
+            self._sums[key] += value
+        self._tokens += acc["tokens"]
+        for key, value in acc["maxes"].items():
+            self._maxes[key] = max(self._maxes.get(key, value), value)
+        self._samples += acc["samples"]
+        self._groups += acc["groups"]
+
+    def close(self) -> None:
+        """Release what the trainer started (nothing here; a data-parallel trainer stops its other ranks)."""
 
     def micro_step(self, groups: list[RolloutGroup], version: int = 0, behavior_old: bool = False) -> dict[str, float]:
         """Forward + backward of the loss numerator on one micro-batch of whole groups; returns its figures.

@@ -15,7 +15,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from models.trainer import RolloutGroup, lr_factor
+from models.trainer import RolloutGroup, group_tokens, lr_factor
 from storage import checkpoints, faults, ledger
 from storage.shards import ShardError, read_shard
 from tasks.session import evaluate, iteration_prompt_ids, session
@@ -178,10 +178,7 @@ def micro_batches(groups: list[RolloutGroup], budget: int, shared: bool) -> list
     cur: list[RolloutGroup] = []
     used = 0
     for g in groups:
-        if shared:
-            cost = len(g.prompt_ids) + sum(len(r) for r in g.responses)
-        else:
-            cost = sum(len(g.prompt_ids) + len(r) for r in g.responses)
+        cost = group_tokens(g, shared)
         if cur and used + cost > budget:
             out.append(cur)
             cur, used = [], 0

@@ -117,7 +117,18 @@ def check_backend(cfg: Config):
             raise InputError(
                 f"rollout.engine is 'vllm' but vLLM is not installed: {INSTALL}; or set rollout.engine=builtin"
             )
-    return resolve_device(cfg.trainer.device)
+    device = resolve_device(cfg.trainer.device)
+    ranks = cfg.resources.train_ranks
+    if ranks > 1 and device.type != "cpu":
+        import torch
+
+        count = torch.cuda.device_count() if device.type == "cuda" else torch.npu.device_count()  # type: ignore
+        if ranks > count:
+            raise InputError(
+                f"resources.train_ranks is {ranks} but {count} {device.type} device(s) are visible (rank r trains on "
+                f"device r): set resources.train_ranks to at most {count}"
+            )
+    return device
 
 
 def check_inputs(cfg: Config) -> None:

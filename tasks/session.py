@@ -18,6 +18,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +34,7 @@ from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, move_folder, validate_run_id
 from storage.tracking import Tracker
 from tasks.preflight import InputError, check_backend, check_inputs, check_tracking
+from tasks.train_ranks import DataParallelTrainer
 from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
 
 if TYPE_CHECKING:  # the session does not import Prefect; the flow does
@@ -121,9 +123,11 @@ class RunSession:
                 self._saver.shutdown(wait=True)
         finally:
             try:
-                self.pool.close()
-                if self.weights is not None:
-                    self.weights.unlink()
+                with contextlib.ExitStack() as release:  # last in, first out; each runs even if one before fails
+                    if self.weights is not None:
+                        release.callback(self.weights.unlink)
+                    release.callback(self.trainer.close)  # a data-parallel trainer's other ranks
+                    release.callback(self.pool.close)
             finally:  # after the workers: an orphan's shard must not land in a run another process has taken
                 if self.lease is not None:
                     self.lease.release()
@@ -424,7 +428,11 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
         is_mode=a.is_mode,
         is_level=a.is_level,
     )
-    return PolicyTrainer(
+    ranks = cfg.resources.train_ranks
+    make = (
+        partial(DataParallelTrainer, ranks=ranks, threads=cfg.resources.train_threads) if ranks > 1 else PolicyTrainer
+    )
+    return make(
         model.to(device),
         ref_model,
         lr=cfg.trainer.lr,
@@ -501,6 +509,14 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
     torch.manual_seed(cfg.run.seed)
     version = checkpoints.promoted_version(lake, run_id)
     trainer = build_trainer(cfg, model, tokenizer, device)
+    try:
+        return _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached)
+    except BaseException:
+        trainer.close()  # a data-parallel trainer's other ranks
+        raise
+
+
+def _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached) -> RunSession:
     if version is None:
         checkpoints.save_checkpoint(
             lake, run_id, 0, trainer.model, tokenizer, trainer.optimizer, {"bootstrap_cached": cached}

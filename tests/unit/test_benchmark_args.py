@@ -69,7 +69,7 @@ def bench(module: str, *args: str, env: dict, timeout: float = 60) -> subprocess
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume"])
+@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume", "data_parallel"])
 def test_help_prints_usage_and_runs_nothing(module, env):
     t0 = time.perf_counter()
     r = bench(module, "--help", env=env)
@@ -80,7 +80,7 @@ def test_help_prints_usage_and_runs_nothing(module, env):
     assert not _marked(env[MARKER]) and not os.listdir(env["TMPDIR"])  # no training run, no work directory
 
 
-@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume"])
+@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume", "data_parallel"])
 def test_unknown_flag_exits_2(module, env):
     r = bench(module, "--iterationz", "3", env=env)
     assert r.returncode == 2
@@ -109,6 +109,7 @@ def test_unknown_flag_exits_2(module, env):
         ),
         ("resume", ["--iterations", "2"], "--iterations 2: must be in [3, 100000]"),
         ("shared_prompt", ["--threads", "0"], "--threads 0: must be at least 1"),
+        ("data_parallel", ["--repeats", "0"], "--repeats 0: must be in [1, 1000]"),
     ],
 )
 def test_bad_number_exits_2_naming_the_flag(module, args, message, env, tmp_path):

@@ -526,6 +526,16 @@ def test_vllm_engine_without_vllm_is_an_input_error_before_the_device():
         check_backend(load_config(ARITH, ["rollout.engine=vllm", "trainer.device=cuda"]))
 
 
+def test_more_trainer_ranks_than_cuda_devices_is_an_input_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = load_config(ARITH, ["trainer.device=cuda", "resources.train_ranks=2"])
+    with pytest.raises(InputError, match=r"resources.train_ranks is 2 but 1 cuda device\(s\) are visible .*at most 1"):
+        check_backend(cfg)
+    assert check_backend(load_config(ARITH, ["trainer.device=cuda"])).type == "cuda"  # one rank: one device
+    assert check_backend(load_config(ARITH, ["trainer.device=cpu", "resources.train_ranks=2"])).type == "cpu"
+
+
 def test_cpu_and_auto_pass():
     check_backend(load_config(ARITH, ["trainer.device=cpu"]))
     check_backend(load_config(ARITH, ["trainer.device=auto"]))

@@ -145,6 +145,7 @@ def test_close_ends_the_workers_and_shared_weights_even_when_the_background_writ
     released: list[str] = []
     s.pool = SimpleNamespace(close=lambda: released.append("workers"))
     s.weights = SimpleNamespace(unlink=lambda: released.append("weights"))
+    s.trainer = SimpleNamespace(close=lambda: released.append("trainer"))
 
     def fail():
         raise OSError("disk full")
@@ -152,8 +153,24 @@ def test_close_ends_the_workers_and_shared_weights_even_when_the_background_writ
     s.save_in_background(3, fail)
     with caplog.at_level(logging.WARNING, logger="lockstep"):
         s.close()
-    assert released == ["workers", "weights"]
+    assert released == ["workers", "trainer", "weights"]
     assert "checkpoint written in the background failed: disk full" in caplog.text
+
+
+def test_close_releases_the_trainer_weights_and_lease_when_the_workers_fail_to_close():
+    s = session_module.RunSession(*(None,) * 11, version=0, device=None)
+    released: list[str] = []
+
+    def stuck():
+        raise RuntimeError("worker would not exit")
+
+    s.pool = SimpleNamespace(close=stuck)
+    s.weights = SimpleNamespace(unlink=lambda: released.append("weights"))
+    s.trainer = SimpleNamespace(close=lambda: released.append("trainer"))
+    s.lease = SimpleNamespace(release=lambda: released.append("lease"))
+    with pytest.raises(RuntimeError, match="worker would not exit"):
+        s.close()
+    assert released == ["trainer", "weights", "lease"]
 
 
 def test_resume_of_a_run_that_does_not_exist_is_refused(tmp_path):

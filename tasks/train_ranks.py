@@ -1,0 +1,310 @@
+"""Data-parallel training (`resources.train_ranks`): the trainer of the flow's process is rank 0, and N - 1 spawned
+processes are ranks 1..N-1, each with a whole replica of the policy (and of the reference and proximal models).
+
+Rank 0 cuts each micro-batch, as it is formed, into one part per rank of about equal packed tokens (whole groups,
+consecutive: `split_groups`), sends the other ranks theirs and runs its own in the caller's thread while they run
+theirs. At the optimizer step every rank's gradient and loss
+denominator are summed onto rank 0 (`models.data_parallel`), which alone holds optimizer state and steps; the new
+weights reach the other ranks by a broadcast at the start of the next batch. So the batch's gradient is the same sum
+as in one process (only the order of floating-point additions differs), and everything that reads or writes the
+trainer's model or optimizer (checkpoints, shared weights, resume) keeps working on rank 0 alone.
+
+Collectives run over `torch.distributed`: gloo on CPU, NCCL on CUDA (rank r on device r), HCCL on Ascend. Commands
+and figures travel over one pipe per rank; a rank that dies or fails is named in the error of the next call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from models.data_parallel import broadcast_weights, sum_gradients
+from models.trainer import LossSettings, PolicyTrainer, group_tokens
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+class TrainRankError(RuntimeError):
+    """A training rank other than 0 died, failed, or could not start."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank needs to build its replica (its weights come from rank 0's first broadcast)."""
+
+    model_class: type
+    model_config: object  # the policy's transformers config
+    attn_implementation: str
+    dtype: torch.dtype
+    device_type: str
+    threads: int
+    has_ref: bool
+    loss: LossSettings
+    pad_token_id: int
+    shared_prompt: bool
+    lr: float
+
+
+def _rank_device(device_type: str, rank: int) -> torch.device:
+    return torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
+
+
+def _build_replica(spec: RankSpec, device: torch.device) -> PolicyTrainer:
+    model = spec.model_class(spec.model_config).to(dtype=spec.dtype)
+    model.set_attn_implementation(spec.attn_implementation)
+    ref = None
+    if spec.has_ref:
+        ref = spec.model_class(spec.model_config).to(dtype=spec.dtype).requires_grad_(False).to(device)
+        ref.set_attn_implementation(spec.attn_implementation)
+    return PolicyTrainer(
+        model.to(device),
+        ref,
+        lr=spec.lr,
+        grad_clip=None,
+        loss=spec.loss,
+        pad_token_id=spec.pad_token_id,
+        shared_prompt=spec.shared_prompt,
+    )
+
+
+def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn, parent: int) -> None:  # in the child
+    from tasks.workers import _exit_with_parent
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _exit_with_parent(parent)
+    torch.set_num_threads(spec.threads)
+    try:
+        device = _rank_device(spec.device_type, rank)
+        trainer = _build_replica(spec, device)
+        conn.send(("built", None))
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            BACKENDS[spec.device_type], store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10)
+        )
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    error = None  # a failed micro-step: reported at the next collect; the rank skips micro-steps until then
+    while True:
+        try:
+            cmd = conn.recv()
+        except EOFError:  # rank 0's process is gone (killed): nothing left to train for
+            return
+        if cmd[0] == "close":
+            dist.destroy_process_group()
+            return
+        if cmd[0] == "micro":
+            if error is None:
+                try:
+                    trainer.micro_step(cmd[1], cmd[2], behavior_old=cmd[3])
+                except Exception:
+                    error = traceback.format_exc()
+        elif cmd[0] == "sync":  # (sync, include the reference, prox version or None)
+            modules = [trainer.model]
+            if cmd[2] is not None:
+                modules.append(trainer.prox_model)
+                trainer.prox_version = cmd[2]
+            if cmd[1]:
+                modules.append(trainer.ref_model)
+            broadcast_weights(modules)
+        elif cmd[0] == "collect":
+            conn.send(("collected", error, trainer.accumulators()))
+            if conn.recv()[0] == "reduce":
+                sum_gradients(trainer.model)
+            else:  # discard: the batch failed somewhere
+                trainer.optimizer.zero_grad(set_to_none=True)
+            trainer._reset_accumulators()
+            error = None
+
+
+def split_groups(groups: list, parts: int, shared: bool) -> list[list]:
+    """`groups` cut into `parts` consecutive runs of about equal packed tokens (some empty when there are fewer
+    groups than parts): a group goes to the part its token midpoint falls in. A function of the groups alone, so the
+    same micro-batch is always cut the same way (and the sum over ranks is added up in the same order)."""
+    costs = [group_tokens(g, shared) for g in groups]
+    share = sum(costs) / parts
+    out: list[list] = [[] for _ in range(parts)]
+    before = 0
+    for g, cost in zip(groups, costs):
+        out[min(parts - 1, int((before + cost / 2) // share))].append(g)
+        before += cost
+    return out
+
+
+class DataParallelTrainer(PolicyTrainer):
+    """Rank 0 of `ranks` data-parallel trainer ranks (see the module's docstring); its model and optimizer are the
+    run's, as a `PolicyTrainer`'s are."""
+
+    def __init__(self, model, ref_model, *, ranks: int, threads: int, start_timeout_s: float = 300.0, **kwargs):
+        super().__init__(model, ref_model, **kwargs)
+        if ranks < 2:
+            raise ValueError(f"a data-parallel trainer needs at least 2 ranks, got {ranks}")
+        if dist.is_initialized():
+            raise TrainRankError(
+                "this process already belongs to a torch.distributed process group; a data-parallel trainer makes "
+                "its own: close the other trainer (or use resources.train_ranks=1)"
+            )
+        param = next(model.parameters())
+        device_type = param.device.type
+        if device_type not in BACKENDS:
+            raise ValueError(f"data-parallel training on {device_type} is not supported (cpu, cuda or npu)")
+        if device_type != "cpu" and (param.device.index or 0) != 0:
+            raise ValueError(f"rank 0 of data-parallel training runs on {device_type}:0, not {param.device}")
+        self.world = ranks
+        self.start_timeout_s = start_timeout_s
+        spec = RankSpec(
+            model_class=type(model),
+            model_config=model.config,
+            attn_implementation=model.config._attn_implementation,
+            dtype=param.dtype,
+            device_type=device_type,
+            threads=threads,
+            has_ref=ref_model is not None,
+            loss=self.loss,
+            pad_token_id=self.pad_token_id,
+            shared_prompt=self.shared_prompt,
+            lr=self.peak_lr,
+        )
+        self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        self._closed = False
+        for rank in range(1, ranks):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(rank, ranks, self._store.port, spec, child_end, os.getpid()),
+                name=f"lockstep-train-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_end.close()
+            self._conns.append(parent_end)
+            self._procs.append(proc)
+        try:
+            for rank in range(1, ranks):
+                self._receive(rank, "built", start_timeout_s)
+            dist.init_process_group(
+                BACKENDS[device_type], store=self._store, rank=0, world_size=ranks, timeout=timedelta(minutes=10)
+            )
+        except BaseException:
+            self._stop_ranks()
+            raise
+        self._synced_ref = False
+        self._needs_sync = True  # rank 0's weights may change between batches (restore, bootstrap): sent per batch
+        self.rank_micro_batches = [0] * ranks  # the last batch's micro-batches per rank
+
+    def _receive(self, rank: int, kind: str, timeout_s: float):
+        conn, proc = self._conns[rank - 1], self._procs[rank - 1]
+        deadline = time.monotonic() + timeout_s
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) sent no {kind!r} within {timeout_s:.0f} s")
+        try:
+            msg = conn.recv()
+        except EOFError:
+            proc.join(timeout=5)
+            raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})") from None
+        if msg[0] == "error":
+            raise TrainRankError(f"trainer rank {rank} failed:\n{msg[1]}")
+        if msg[0] != kind:
+            raise TrainRankError(f"trainer rank {rank} sent {msg[0]!r} where {kind!r} was expected")
+        return msg
+
+    def _send(self, rank: int, msg) -> None:
+        proc = self._procs[rank - 1]
+        if not proc.is_alive():
+            raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})")
+        try:
+            self._conns[rank - 1].send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})") from None
+
+    def _sync(self) -> None:
+        """Rank 0's weights (and the proximal model's, and once the reference's) to every rank."""
+        prox = self.prox_version if self.prox_model is not None else None
+        send_ref = not self._synced_ref and self.ref_model is not None
+        for rank in range(1, self.world):
+            self._send(rank, ("sync", send_ref, prox))
+        modules = [self.model] + ([self.prox_model] if prox is not None else []) + ([self.ref_model] * send_ref)
+        broadcast_weights(modules)
+        self._synced_ref = True
+        self._needs_sync = False
+        self.rank_micro_batches = [0] * self.world
+
+    def micro_step(self, groups, version: int = 0, behavior_old: bool = False) -> dict[str, float]:
+        """The micro-batch cut into one part per rank (`split_groups`): the other ranks' parts sent, rank 0's run
+        here while they run theirs. Returns the micro-batch's response tokens and samples."""
+        if not groups:
+            raise ValueError("micro_step needs at least one group")
+        if self._needs_sync:
+            self._sync()
+        self._batch_version = version
+        parts = split_groups(groups, self.world, self.shared_prompt)
+        for rank in range(1, self.world):
+            if parts[rank]:
+                self._send(rank, ("micro", parts[rank], version, behavior_old))
+                self.rank_micro_batches[rank] += 1
+        if parts[0]:
+            super().micro_step(parts[0], version, behavior_old)
+            self.rank_micro_batches[0] += 1
+        tokens = sum(len(r) for g in groups for r in g.responses)
+        return {"tokens": float(tokens), "samples": sum(len(g.responses) for g in groups)}
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Every rank's accumulators and gradient summed onto rank 0, then `PolicyTrainer.optimizer_step`."""
+        replies = []
+        for rank in range(1, self.world):
+            self._send(rank, ("collect",))
+        for rank in range(1, self.world):
+            replies.append(self._receive(rank, "collected", self.start_timeout_s))
+        failed = [(rank, msg[1]) for rank, msg in enumerate(replies, start=1) if msg[1] is not None]
+        verdict = ("discard",) if failed else ("reduce",)
+        for rank in range(1, self.world):
+            self._send(rank, verdict)
+        self._needs_sync = True
+        if failed:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._reset_accumulators()
+            rank, error = failed[0]
+            raise TrainRankError(f"trainer rank {rank} failed a micro-step; the step was not applied:\n{error}")
+        for msg in replies:
+            self.merge_accumulators(msg[2])
+        sum_gradients(self.model)
+        figures = super().optimizer_step()
+        figures["train/ranks"] = float(self.world)
+        return figures
+
+    def _stop_ranks(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(("close",))
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop_ranks()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()

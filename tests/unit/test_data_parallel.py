@@ -1,0 +1,180 @@
+"""Data-parallel training (`resources.train_ranks`): two trainer processes over gloo give the batch gradient of one.
+
+Each test builds a real `DataParallelTrainer` (a spawned rank 1, collectives over `torch.distributed`) beside a
+`PolicyTrainer` fed the same micro-batches, and compares weights and figures after several optimizer steps."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+from models.tiny import build_tiny_model
+from models.trainer import LossSettings, PolicyTrainer, RolloutGroup
+from tasks.train_ranks import DataParallelTrainer, TrainRankError, split_groups
+
+torch.set_num_threads(1)
+
+VOCAB = 40
+TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+def _group(seed: int, version: int = 0, lens=(3, 1, 4, 2)) -> RolloutGroup:
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(4, VOCAB, (8,), generator=gen).tolist()
+    responses = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in lens]
+    rewards = torch.rand(len(lens), generator=gen).tolist()
+    behaviour = [(-2.0 - torch.rand(n, generator=gen)).tolist() for n in lens]
+    return RolloutGroup(prompt, responses, rewards, behaviour, [[version] * n for n in lens])
+
+
+def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _pair(loss: LossSettings, kl: bool = False, **kwargs):
+    one = build_tiny_model(VOCAB, seed=0, **TINY)
+    two = copy.deepcopy(one)
+    ref = (lambda m: copy.deepcopy(m).requires_grad_(False)) if kl else (lambda m: None)
+    kw = dict(lr=1e-2, grad_clip=1.0, loss=loss, shared_prompt=True, **kwargs)
+    return PolicyTrainer(one, ref(one), **kw), DataParallelTrainer(two, ref(two), ranks=2, threads=1, **kw)
+
+
+def test_two_ranks_equal_one_with_kl_and_ppo_mini_batches():
+    """Three batches of five micro-batches of three groups (the second batch in two PPO mini-batches, the later one
+    on behaviour log-probs), with a KL term to the reference that rank 1 receives once: weights within 1e-5 of one
+    process, the loss and counts the same, and each micro-batch split between the two ranks."""
+    one, two = _pair(LossSettings(kl_coef=0.1), kl=True)
+    try:
+        v0 = copy.deepcopy(one.model)
+        plan = [[5], [2, 3], [5]]  # micro-batches per optimizer step
+        seed = 0
+        for batch, steps in enumerate(plan):
+            for m, n in enumerate(steps):
+                for _ in range(n):
+                    seed += 3
+                    for t in (one, two):
+                        t.micro_step([_group(seed), _group(seed + 1), _group(seed + 2)], batch, behavior_old=m > 0)
+                a, b = one.optimizer_step(), two.optimizer_step()
+                assert two.rank_micro_batches == [n, n]  # one part of each micro-batch per rank
+                assert b["train/samples"] == a["train/samples"] and b["train/tokens"] == a["train/tokens"]
+                assert a["train/micro_batches"] == n and b["train/micro_batches"] == 2 * n  # forward passes
+                assert b["train/ranks"] == 2.0 and "train/ranks" not in a
+                for key in ("loss/policy", "kl/mean", "grad/norm", "entropy/mean", "clip/fraction"):
+                    assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+                diff = _max_diff(one.model, two.model)
+                assert diff <= 1e-5, f"step {batch}.{m}: two ranks differ from one by {diff}"
+        assert a["kl/mean"] > 0  # the reference was used and had drifted from the policy
+        assert _max_diff(one.model, v0) > 1e-3  # and training moved the weights
+    finally:
+        two.close()
+
+
+def test_decoupled_recompute_sends_the_proximal_weights():
+    """Async's decoupled loss with `prox_logp: recompute`: tokens two versions behind need the weights of one version
+    back, which rank 1 gets from rank 0 with each batch; the figures (is-weights, proximal time) come from both."""
+    one, two = _pair(LossSettings(decoupled=True, prox_logp="recompute", is_cap=None))
+    try:
+        for version in range(4):
+            for j in range(4):
+                g = [_group(10 * version + j + k, version=max(0, version - 2 + k)) for k in range(2)]
+                for t in (one, two):
+                    t.micro_step(g, version)
+            a, b = one.optimizer_step(), two.optimizer_step()
+            assert two.rank_micro_batches == [4, 4]
+            assert b["is_weight/max"] == pytest.approx(a["is_weight/max"], rel=1e-4)
+            assert b["is_weight/mean"] == pytest.approx(a["is_weight/mean"], rel=1e-4)
+            diff = _max_diff(one.model, two.model)
+            assert diff <= 1e-5, f"version {version}: two ranks differ from one by {diff}"
+        assert two.prox_version == one.prox_version == 3
+    finally:
+        two.close()
+
+
+def test_a_rank_that_dies_is_named_and_the_trainer_closes():
+    """Rank 1 SIGKILLed mid-batch: the next call names it and its exit code, `close` returns, and this process can
+    make another data-parallel trainer (the process group was left)."""
+    _, two = _pair(LossSettings())
+    try:
+        two.micro_step([_group(1)])
+        proc = two._procs[0]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=10)
+        with pytest.raises(TrainRankError, match=r"trainer rank 1 \(pid \d+\) died \(exit code -9\)"):
+            two.micro_step([_group(2)])
+            two.micro_step([_group(3)])
+            two.optimizer_step()
+    finally:
+        two.close()
+    assert not proc.is_alive()
+    _, again = _pair(LossSettings())
+    again.close()
+
+
+def test_a_failed_micro_step_on_another_rank_refuses_the_step():
+    """A micro-batch rank 1 cannot compute (a token id outside the vocabulary): the optimizer step raises its
+    traceback and is not applied on any rank; the next batch trains on both ranks again."""
+    one, two = _pair(LossSettings())
+    try:
+        before = copy.deepcopy(two.model)
+        bad = _group(1)
+        bad.responses[0][0] = VOCAB + 5
+        two.micro_step([_group(2), bad])  # the second group of two goes to rank 1
+        with pytest.raises(TrainRankError, match=r"trainer rank 1 failed a micro-step(.|\n)*IndexError"):
+            two.optimizer_step()
+        assert _max_diff(before, two.model) == 0.0
+        assert all(p.grad is None for p in two.model.parameters())
+        for j in range(3):
+            for t in (one, two):
+                t.micro_step([_group(10 + j), _group(20 + j)])
+        one.optimizer_step(), two.optimizer_step()
+        assert two.rank_micro_batches == [3, 3]
+        assert _max_diff(one.model, two.model) <= 1e-5
+    finally:
+        two.close()
+
+
+def test_one_process_group_at_a_time():
+    _, two = _pair(LossSettings())
+    try:
+        with pytest.raises(TrainRankError, match="already belongs to a torch.distributed process group"):
+            _pair(LossSettings())
+    finally:
+        two.close()
+
+
+def test_split_groups_balances_packed_tokens_and_keeps_order():
+    groups = [_group(s, lens=(n,) * 4) for s, n in enumerate([1, 1, 10, 1, 1, 1])]  # packed: 12, 12, 48, 12, 12, 12
+    parts = split_groups(groups, 2, shared=True)
+    assert [len(p) for p in parts] == [3, 3]  # 72 + 36: the big group's midpoint (48) is in the first half (54)
+    assert parts[0] + parts[1] == groups
+    assert [len(p) for p in split_groups(groups[:1], 3, shared=True)] == [0, 1, 0]  # one group: one rank
+    unshared = split_groups(groups, 2, shared=False)  # prompts counted per response: 36, 36, 72, 36, 36, 36
+    assert [len(p) for p in unshared] == [3, 3]
+    assert [len(p) for p in split_groups(groups, 4, shared=True)] == [2, 1, 1, 2]
+
+
+def test_sum_gradients_keeps_a_parameter_no_rank_has_a_gradient_for_without_one():
+    """AdamW skips a parameter whose gradient is None (no decay, no moment update), so the sum must leave None where
+    no rank had a gradient, not a zero: here in a one-rank group, where the sum is the rank's own gradient."""
+    import torch.distributed as dist
+
+    from models.data_parallel import sum_gradients
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        net[0](torch.ones(1, 3)).sum().backward()  # the second layer takes no part
+        expected = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
+        sum_gradients(net)
+        for p, e in zip(net.parameters(), expected):
+            assert (p.grad is None) == (e is None)
+            if e is not None:
+                assert torch.equal(p.grad, e)
+        assert [p.grad is None for p in net.parameters()] == [False, False, True, True]
+    finally:
+        dist.destroy_process_group()
