@@ -299,6 +299,7 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
         for prox in METHODS:
             cfg = base.model_copy(deep=True)
             cfg.algorithm.prox_logp = prox
+            cfg.resources.train_ranks = 1  # the methods' train steps are timed side by side in this one process
             model, tok = load_hf(checkpoints.local_copy(lake, lake.checkpoint_dir(run_ids[0], 0), cache))
             trainers[prox] = (cfg, build_trainer(cfg, model, tok, resolve_device(cfg.trainer.device)))
     batches = [

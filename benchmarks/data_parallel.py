@@ -1,8 +1,8 @@
 """Data-parallel trainer ranks (`resources.train_ranks`) against one trainer on the same cores: the time of one batch.
 
 A batch is the demo's: 32 groups of 8 responses (1-6 tokens) after prompts of 102-116 tokens, random tokens and
-rewards, cut into micro-batches of `--micro-batch-tokens` as the train task cuts them (shared-prompt packing), on the
-demo model (0.8M parameters, fp32). One batch = every micro-step and the optimizer step (with, for the ranks, the
+rewards, arriving in shards of `shard_groups` groups, each shard cut into micro-batches of at most 4096 tokens as the
+train task cuts them (shared-prompt packing), on the demo model (0.8M parameters, fp32). One batch = every micro-step and the optimizer step (with, for the ranks, the
 weights sent to rank 1 at the batch's start and the gradients summed onto rank 0 at its end). Three trainers are
 built side by side in this process, from the same weights, and fed the same batches in turn (A B C C B A ...):
 
@@ -10,12 +10,19 @@ built side by side in this process, from the same weights, and fed the same batc
 - `two_ranks_1_thread`: a `DataParallelTrainer` of 2 ranks (rank 1 spawned, gloo) with 1 thread each;
 - `one_rank_1_thread`: one `PolicyTrainer` with 1 thread: what each rank has.
 
-One JSON line per micro-batch budget with `batch_s` of each (median of `--repeats` batches after one warm-up batch),
+One JSON line per `shard_groups` (4, the demo's, and 8) with `batch_s` of each (median of `--repeats` batches after one warm-up batch),
 `samples_per_s` of each, `speedup` = one_rank_2_threads / two_ranks_1_thread batch time, and `max_abs_diff`: the
 largest parameter difference between the one-rank (2 threads) and two-rank trainers after all those batches
 (their equality, up to the order of additions, is what the invariant test asserts).
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.data_parallel [--repeats 7]
+With `--pipeline`, then the demo config through the real flow (tracking and evaluation off, as `benchmarks.pipeline`
+runs it), one JSON line per configuration with `iteration_s` and the other medians of `benchmarks.pipeline` over
+`--iterations` measured iterations (after 2 warm-up ones) of 2 runs each, the configurations in turn (A B C D D C B A):
+sync with the rollout on 2 threads and training on 1 rank x 2 threads or 2 ranks x 1 thread; periodic as the demo
+runs it (rollout 1 thread, 1 trainer rank of 1 thread that borrows the rollout's thread once rollouts are in) and with
+2 trainer ranks of 1 thread each (no borrowing: both ranks run beside the rollout worker while it generates).
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.data_parallel [--repeats 7] [--pipeline [--iterations 8] [--dir DIR]]
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from __future__ import annotations
 import copy
 import statistics
 
-from benchmarks.common import check_range, emit, median_time, parser
+from benchmarks.common import MAX_ITERATIONS, check_dir, check_range, emit, median_time, parser
 
-BUDGETS = (4096, 1024)
+SHARD_GROUPS = (4, 8)
+BUDGET = 4096  # the demo's train.micro_batch_tokens
 PROMPTS, GROUP = 32, 8
 
 
@@ -47,11 +55,55 @@ def _batch(tok_count: int, seed: int):
     return groups
 
 
+PIPELINE = {
+    "sync_1_rank": {"pipeline.mode": "sync", "resources.rollout_threads": 2, "resources.train_threads": 2},
+    "sync_2_ranks": {
+        "pipeline.mode": "sync",
+        "resources.rollout_threads": 2,
+        "resources.train_threads": 1,
+        "resources.train_ranks": 2,
+    },
+    "periodic_1_rank": {"pipeline.mode": "periodic"},  # the demo's resources
+    "periodic_2_ranks": {
+        "pipeline.mode": "periodic",
+        "resources.train_ranks": 2,
+        "resources.borrow_rollout_threads": False,
+    },
+}
+
+
+def pipeline(iterations: int, directory: str | None) -> None:
+    """The demo config through the real flow in each of `PIPELINE`'s configurations (see the module's docstring)."""
+    import time
+
+    from benchmarks.common import work_dir
+    from benchmarks.pipeline import run, summarise
+
+    warmup, stamp = 2, time.strftime("%Y%m%d%H%M%S")
+    names = list(PIPELINE)
+    order = names + names[::-1]
+    measured: dict[str, list[dict]] = {name: [] for name in names}
+    with work_dir(directory) as tmp:
+        for i, name in enumerate(order):
+            measured[name] += run(tmp, f"dp-{name}-{i}-{stamp}", PIPELINE[name], iterations + warmup)[warmup:]
+    for name in names:
+        emit(
+            benchmark="data_parallel",
+            configuration=name,
+            **summarise(PIPELINE[name]["pipeline.mode"], measured[name], 0),
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = parser("benchmarks.data_parallel", __doc__)
-    ap.add_argument("--repeats", type=int, default=7, help="timed batches per trainer and budget (default 7)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed batches per trainer and shard size (default 7)")
+    ap.add_argument("--pipeline", action="store_true", help="then the demo config through the flow (minutes)")
+    ap.add_argument("--iterations", type=int, default=8, help="--pipeline: measured iterations per run (default 8)")
+    ap.add_argument("--dir", default=None, help="--pipeline: work directory (reusing one reuses its bootstrap)")
     args = ap.parse_args(argv)
     check_range(ap, "--repeats", args.repeats, 1, 1000)
+    check_range(ap, "--iterations", args.iterations, 1, MAX_ITERATIONS - 2)
+    check_dir(ap, args.dir)
 
     import torch
 
@@ -70,11 +122,13 @@ def main(argv: list[str] | None = None) -> None:
         "one_rank_1_thread": (PolicyTrainer(copy.deepcopy(model), None, **kw), 1),
     }
     try:
-        for budget in BUDGETS:
+        for shard_groups in SHARD_GROUPS:
             times: dict[str, list[float]] = {name: [] for name in trainers}
             order = list(trainers)
             for r in range(args.repeats + 1):  # the first round warms up
-                mbs = micro_batches(_batch(len(tok), seed=budget + r), budget, shared=True)
+                groups = _batch(len(tok), seed=100 * shard_groups + r)
+                shards = [groups[i : i + shard_groups] for i in range(0, len(groups), shard_groups)]
+                mbs = [mb for shard in shards for mb in micro_batches(shard, BUDGET, shared=True)]
                 for name in order if r % 2 == 0 else order[::-1]:
                     trainer, threads = trainers[name]
                     torch.set_num_threads(threads)
@@ -91,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
             a, b = trainers["one_rank_2_threads"][0].model, trainers["two_ranks_1_thread"][0].model
             diff = max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
             emit(
-                micro_batch_tokens=budget,
+                shard_groups=shard_groups,
+                micro_batch_tokens=BUDGET,
                 micro_batches=len(mbs),
                 repeats=args.repeats,
                 batch_s=batch_s,
@@ -101,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             )
     finally:
         trainers["two_ranks_1_thread"][0].close()
+    if args.pipeline:
+        pipeline(args.iterations, args.dir)
 
 
 if __name__ == "__main__":

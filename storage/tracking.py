@@ -68,12 +68,17 @@ class Tracker:
         if self.client is None:
             return
         t0 = time.perf_counter()
-        logged = self.client.get_run(self.run_id).data.params  # a resumed run's, from its first start
+        data = self.client.get_run(self.run_id).data  # a resumed run's params, from its first start
+        logged, tags = data.params, data.tags
         values = {k: str(v)[:6000] for k, v in params.items()}
         items = [Param(k, v) for k, v in values.items() if k not in logged]
         # MLflow refuses to change a param; a resume may legitimately name the lake another way (a relative path, a
-        # moved folder, a cache in front of a bucket): the new value is kept as a tag beside the first one
-        changed = [RunTag(f"lockstep.resumed.{k}", v) for k, v in values.items() if k in logged and logged[k] != v]
+        # moved folder, a cache in front of a bucket): the latest start's value is kept as a tag beside the first one
+        changed = [
+            RunTag(f"lockstep.resumed.{k}", v)
+            for k, v in values.items()
+            if k in logged and (logged[k] != v or f"lockstep.resumed.{k}" in tags)
+        ]
         for i in range(0, max(len(items), len(changed)), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100], tags=changed[i : i + 100])
         self.seconds += time.perf_counter() - t0

@@ -279,11 +279,14 @@ class BatchSteps:
 
 def idle_rollout_threads(cfg) -> int:
     """The trainer's torch threads once the iteration's rollouts are all published (`resources.borrow_rollout_threads`):
-    its own plus the idle workers', at most the CPU count; its own alone in async mode, whose workers never idle."""
+    its own plus the idle workers', at most the CPU count less the other trainer ranks' threads; its own alone in async
+    mode, whose workers never idle."""
     r = cfg.resources
     if not r.borrow_rollout_threads or cfg.pipeline.mode == "async":
         return r.train_threads
-    return max(r.train_threads, min(os.cpu_count() or 1, r.train_threads + r.rollout_workers * r.rollout_threads))
+    others = (r.train_ranks - 1) * r.train_threads  # ranks 1.. keep their own threads
+    total = r.train_ranks * r.train_threads + r.rollout_workers * r.rollout_threads
+    return max(r.train_threads, min(os.cpu_count() or 1, total) - others)
 
 
 class RolloutsLostError(RuntimeError):

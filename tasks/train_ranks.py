@@ -1,9 +1,9 @@
 """Data-parallel training (`resources.train_ranks`): the trainer of the flow's process is rank 0, and N - 1 spawned
 processes are ranks 1..N-1, each with a whole replica of the policy (and of the reference and proximal models).
 
-Rank 0 cuts each micro-batch, as it is formed, into one part per rank of about equal packed tokens (whole groups,
-consecutive: `split_groups`), sends the other ranks theirs and runs its own in the caller's thread while they run
-theirs. At the optimizer step every rank's gradient and loss
+Rank 0 cuts each micro-batch, as it is formed, into one part per rank (whole groups, each to the rank with the
+fewest packed tokens so far in the batch: `split_groups`), sends the other ranks theirs and runs its own in the
+caller's thread while they run theirs. At the optimizer step every rank's gradient and loss
 denominator are summed onto rank 0 (`models.data_parallel`), which alone holds optimizer state and steps; the new
 weights reach the other ranks by a broadcast at the start of the next batch. So the batch's gradient is the same sum
 as in one process (only the order of floating-point additions differs), and everything that reads or writes the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class RankSpec:
     model_class: type
     model_config: object  # the policy's transformers config
     attn_implementation: str
-    dtype: torch.dtype
+    dtypes: dict[str, torch.dtype]  # per parameter: a model may mix them (fp32 norms beside bf16 weights)
     device_type: str
     threads: int
     has_ref: bool
@@ -56,15 +57,25 @@ def _rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
 
 
-def _build_replica(spec: RankSpec, device: torch.device) -> PolicyTrainer:
-    model = spec.model_class(spec.model_config).to(dtype=spec.dtype)
+def signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """Name, shape and dtype of every parameter, in `parameters()` order: what the collectives assume alike."""
+    return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+
+
+def _replica(spec: RankSpec, device: torch.device) -> torch.nn.Module:
+    model = spec.model_class(spec.model_config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = p.data.to(spec.dtypes[name])
     model.set_attn_implementation(spec.attn_implementation)
-    ref = None
-    if spec.has_ref:
-        ref = spec.model_class(spec.model_config).to(dtype=spec.dtype).requires_grad_(False).to(device)
-        ref.set_attn_implementation(spec.attn_implementation)
+    return model.to(device)
+
+
+def _build_replica(spec: RankSpec, device: torch.device) -> PolicyTrainer:
+    model = _replica(spec, device)
+    ref = _replica(spec, device).requires_grad_(False) if spec.has_ref else None
     return PolicyTrainer(
-        model.to(device),
+        model,
         ref,
         lr=spec.lr,
         grad_clip=None,
@@ -78,13 +89,16 @@ def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn, parent: i
     from tasks.workers import _exit_with_parent
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops the ranks
     _exit_with_parent(parent)
     torch.set_num_threads(spec.threads)
     try:
         device = _rank_device(spec.device_type, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         trainer = _build_replica(spec, device)
-        conn.send(("built", None))
         store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
+        conn.send(("built", signature(trainer.model)))  # connected to rank 0's store: what is left is the rendezvous
         dist.init_process_group(
             BACKENDS[spec.device_type], store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10)
         )
@@ -124,17 +138,18 @@ def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn, parent: i
             error = None
 
 
-def split_groups(groups: list, parts: int, shared: bool) -> list[list]:
-    """`groups` cut into `parts` consecutive runs of about equal packed tokens (some empty when there are fewer
-    groups than parts): a group goes to the part its token midpoint falls in. A function of the groups alone, so the
-    same micro-batch is always cut the same way (and the sum over ranks is added up in the same order)."""
-    costs = [group_tokens(g, shared) for g in groups]
-    share = sum(costs) / parts
-    out: list[list] = [[] for _ in range(parts)]
-    before = 0
-    for g, cost in zip(groups, costs):
-        out[min(parts - 1, int((before + cost / 2) // share))].append(g)
-        before += cost
+def split_groups(groups: list, loads: list[int], shared: bool) -> list[list]:
+    """One part of `groups` per rank: each group, in order, to the rank with the fewest packed tokens so far in the
+    batch (`loads`, updated in place; ties to rank 1, 2, ... before rank 0, which sends the others their parts before
+    it trains its own). Over a batch the ranks' tokens stay within one group of each other, also when every
+    micro-batch is a single group; and the parts are a function of the batch's micro-batches alone, so a replay of
+    the same shards adds up the same sums."""
+    order = [*range(1, len(loads)), 0]
+    out: list[list] = [[] for _ in loads]
+    for g in groups:
+        rank = min(order, key=lambda r: loads[r])
+        out[rank].append(g)
+        loads[rank] += group_tokens(g, shared)
     return out
 
 
@@ -163,7 +178,7 @@ class DataParallelTrainer(PolicyTrainer):
             model_class=type(model),
             model_config=model.config,
             attn_implementation=model.config._attn_implementation,
-            dtype=param.dtype,
+            dtypes={name: p.dtype for name, p in model.named_parameters()},
             device_type=device_type,
             threads=threads,
             has_ref=ref_model is not None,
@@ -176,6 +191,7 @@ class DataParallelTrainer(PolicyTrainer):
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         self._closed = False
+        self._broken: str | None = None
         for rank in range(1, ranks):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
@@ -189,8 +205,15 @@ class DataParallelTrainer(PolicyTrainer):
             self._conns.append(parent_end)
             self._procs.append(proc)
         try:
+            own = signature(model)
             for rank in range(1, ranks):
-                self._receive(rank, "built", start_timeout_s)
+                theirs = self._receive(rank, "built", start_timeout_s)[1]
+                if theirs != own:
+                    diff = next(((a, b) for a, b in zip(own, theirs, strict=False) if a != b), None)
+                    raise TrainRankError(
+                        f"trainer rank {rank} built a replica unlike rank 0's model ({len(theirs)} parameters, not "
+                        f"{len(own)}; first difference {diff}): its class or config does not rebuild it"
+                    )
             dist.init_process_group(
                 BACKENDS[device_type], store=self._store, rank=0, world_size=ranks, timeout=timedelta(minutes=10)
             )
@@ -199,21 +222,32 @@ class DataParallelTrainer(PolicyTrainer):
             raise
         self._synced_ref = False
         self._needs_sync = True  # rank 0's weights may change between batches (restore, bootstrap): sent per batch
-        self.rank_micro_batches = [0] * ranks  # the last batch's micro-batches per rank
+        self.rank_micro_batches = [0] * ranks  # the last batch's micro-steps per rank
+        self.rank_tokens = [0] * ranks  # and its packed tokens per rank (`split_groups` balances them)
+
+    def _died(self, rank: int, detail: str = "") -> TrainRankError:
+        """The error of rank `rank` gone; the trainer refuses every later call with it (a collective needs all)."""
+        proc = self._procs[rank - 1]
+        self._broken = f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode}){detail}"
+        return TrainRankError(self._broken)
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise TrainRankError(f"the data-parallel trainer cannot go on: {self._broken}")
 
     def _receive(self, rank: int, kind: str, timeout_s: float):
         conn, proc = self._conns[rank - 1], self._procs[rank - 1]
         deadline = time.monotonic() + timeout_s
         while not conn.poll(0.2):
             if not proc.is_alive():
-                raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})")
+                raise self._died(rank)
             if time.monotonic() > deadline:
                 raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) sent no {kind!r} within {timeout_s:.0f} s")
         try:
             msg = conn.recv()
         except EOFError:
             proc.join(timeout=5)
-            raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})") from None
+            raise self._died(rank) from None
         if msg[0] == "error":
             raise TrainRankError(f"trainer rank {rank} failed:\n{msg[1]}")
         if msg[0] != kind:
@@ -223,11 +257,11 @@ class DataParallelTrainer(PolicyTrainer):
     def _send(self, rank: int, msg) -> None:
         proc = self._procs[rank - 1]
         if not proc.is_alive():
-            raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})")
+            raise self._died(rank)
         try:
             self._conns[rank - 1].send(msg)
         except (BrokenPipeError, ConnectionResetError, EOFError):
-            raise TrainRankError(f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})") from None
+            raise self._died(rank) from None
 
     def _sync(self) -> None:
         """Rank 0's weights (and the proximal model's, and once the reference's) to every rank."""
@@ -236,20 +270,22 @@ class DataParallelTrainer(PolicyTrainer):
         for rank in range(1, self.world):
             self._send(rank, ("sync", send_ref, prox))
         modules = [self.model] + ([self.prox_model] if prox is not None else []) + ([self.ref_model] * send_ref)
-        broadcast_weights(modules)
+        self._collective("the weights' broadcast", broadcast_weights, modules)
         self._synced_ref = True
         self._needs_sync = False
         self.rank_micro_batches = [0] * self.world
+        self.rank_tokens = [0] * self.world
 
     def micro_step(self, groups, version: int = 0, behavior_old: bool = False) -> dict[str, float]:
         """The micro-batch cut into one part per rank (`split_groups`): the other ranks' parts sent, rank 0's run
         here while they run theirs. Returns the micro-batch's response tokens and samples."""
         if not groups:
             raise ValueError("micro_step needs at least one group")
+        self._check_usable()
         if self._needs_sync:
             self._sync()
         self._batch_version = version
-        parts = split_groups(groups, self.world, self.shared_prompt)
+        parts = split_groups(groups, self.rank_tokens, self.shared_prompt)
         for rank in range(1, self.world):
             if parts[rank]:
                 self._send(rank, ("micro", parts[rank], version, behavior_old))
@@ -262,6 +298,7 @@ class DataParallelTrainer(PolicyTrainer):
 
     def optimizer_step(self) -> dict[str, float]:
         """Every rank's accumulators and gradient summed onto rank 0, then `PolicyTrainer.optimizer_step`."""
+        self._check_usable()
         replies = []
         for rank in range(1, self.world):
             self._send(rank, ("collect",))
@@ -279,10 +316,22 @@ class DataParallelTrainer(PolicyTrainer):
             raise TrainRankError(f"trainer rank {rank} failed a micro-step; the step was not applied:\n{error}")
         for msg in replies:
             self.merge_accumulators(msg[2])
-        sum_gradients(self.model)
+        self._collective("the gradient sum", sum_gradients, self.model)
         figures = super().optimizer_step()
         figures["train/ranks"] = float(self.world)
         return figures
+
+    def _collective(self, what: str, fn, *args) -> None:
+        """`fn(*args)`, a collective every rank has been told to join; a rank gone meanwhile is named (gloo raises
+        at once when a peer's connection closes; NCCL waits out its timeout)."""
+        try:
+            fn(*args)
+        except RuntimeError as e:
+            for rank, proc in enumerate(self._procs, start=1):
+                proc.join(timeout=1.0)
+                if not proc.is_alive():
+                    raise self._died(rank, f" during {what}: {(str(e) or type(e).__name__).splitlines()[0]}") from e
+            raise
 
     def _stop_ranks(self) -> None:
         for conn in self._conns:

@@ -194,6 +194,25 @@ def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code, api):
 
 
 @pytest.mark.slow
+def test_two_trainer_ranks_killed_mid_train_leave_nothing_running_and_resume(reference, api):
+    """`resources.train_ranks: 2`, the flow's process SIGKILLed mid-train: its spawned trainer rank ends with it (no
+    process of the run is left), and `lockstep resume` (two ranks again) equals the uninterrupted one-rank run."""
+    tmp, ref_params = reference
+    cfg = write_config(tmp, "k-ranks", {"run.iterations": ITERS, "resources.train_ranks": 2})
+    survivors: list[str] = []
+    code, log = _lockstep(["train", cfg], tmp, fault="mid-train[1]@2", survivors=survivors, api=api)
+    assert code == -9, log[-3000:]
+    assert not [cmd for cmd in survivors if "resource_tracker" not in cmd], survivors
+    lake_uri = str(tmp / "lake")
+    code, log = _lockstep(["resume", "k-ranks", "--lake", lake_uri], tmp, api=api)
+    assert code == 0, log[-3000:]
+    params = final_params(lake_uri, "k-ranks", ITERS)
+    diff = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
+    assert diff <= 1e-5, f"the resumed two-rank run differs from the uninterrupted one-rank run by {diff}"
+    assert [r["figures"]["train/ranks"] for r in ledger.read_all(Lake(lake_uri), "k-ranks")] == [2.0] * ITERS
+
+
+@pytest.mark.slow
 def test_sigterm_stops_the_run_cleanly_and_resume_completes_it(reference, api):
     """SIGTERM (`kill`, a job scheduler's stop) mid-train unwinds the run as Ctrl-C does: exit 130 and the resume
     command on the console, the MLflow run ended KILLED, nothing of the run left alive (rollout workers, the

@@ -95,23 +95,48 @@ def test_decoupled_recompute_sends_the_proximal_weights():
 
 
 def test_a_rank_that_dies_is_named_and_the_trainer_closes():
-    """Rank 1 SIGKILLed mid-batch: the next call names it and its exit code, `close` returns, and this process can
-    make another data-parallel trainer (the process group was left)."""
+    """Rank 1 SIGKILLed mid-batch: the next call that needs it names it and its exit code, every later call is
+    refused with that reason, `close` returns, and this process can make another data-parallel trainer."""
     _, two = _pair(LossSettings())
     try:
-        two.micro_step([_group(1)])
+        two.micro_step([_group(1), _group(2)])
         proc = two._procs[0]
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(timeout=10)
-        with pytest.raises(TrainRankError, match=r"trainer rank 1 \(pid \d+\) died \(exit code -9\)"):
-            two.micro_step([_group(2)])
-            two.micro_step([_group(3)])
+        with pytest.raises(TrainRankError, match=r"^trainer rank 1 \(pid \d+\) died \(exit code -9\)$"):
             two.optimizer_step()
+        with pytest.raises(TrainRankError, match=r"cannot go on: trainer rank 1 \(pid \d+\) died"):
+            two.micro_step([_group(3)])
     finally:
         two.close()
     assert not proc.is_alive()
     _, again = _pair(LossSettings())
     again.close()
+
+
+def test_a_rank_that_dies_inside_the_gradient_sum_is_named(monkeypatch):
+    """Rank 1 gone after it answered `collect`, while rank 0 is in the collective: gloo's "connection closed" becomes
+    an error naming the rank, and the trainer closes."""
+    import tasks.train_ranks
+
+    _, two = _pair(LossSettings())
+    real = tasks.train_ranks.sum_gradients
+
+    def killed_first(module, dst=0):
+        proc = two._procs[0]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=10)
+        real(module, dst)
+
+    monkeypatch.setattr(tasks.train_ranks, "sum_gradients", killed_first)
+    try:
+        two.micro_step([_group(1), _group(2)])
+        with pytest.raises(
+            TrainRankError, match=r"trainer rank 1 \(pid \d+\) died \(exit code -9\) during the gradient sum: .*closed"
+        ):
+            two.optimizer_step()
+    finally:
+        two.close()
 
 
 def test_a_failed_micro_step_on_another_rank_refuses_the_step():
@@ -122,7 +147,7 @@ def test_a_failed_micro_step_on_another_rank_refuses_the_step():
         before = copy.deepcopy(two.model)
         bad = _group(1)
         bad.responses[0][0] = VOCAB + 5
-        two.micro_step([_group(2), bad])  # the second group of two goes to rank 1
+        two.micro_step([bad, _group(2)])  # the first group goes to rank 1 (ties: the other ranks first)
         with pytest.raises(TrainRankError, match=r"trainer rank 1 failed a micro-step(.|\n)*IndexError"):
             two.optimizer_step()
         assert _max_diff(before, two.model) == 0.0
@@ -146,15 +171,18 @@ def test_one_process_group_at_a_time():
         two.close()
 
 
-def test_split_groups_balances_packed_tokens_and_keeps_order():
-    groups = [_group(s, lens=(n,) * 4) for s, n in enumerate([1, 1, 10, 1, 1, 1])]  # packed: 12, 12, 48, 12, 12, 12
-    parts = split_groups(groups, 2, shared=True)
-    assert [len(p) for p in parts] == [3, 3]  # 72 + 36: the big group's midpoint (48) is in the first half (54)
-    assert parts[0] + parts[1] == groups
-    assert [len(p) for p in split_groups(groups[:1], 3, shared=True)] == [0, 1, 0]  # one group: one rank
-    unshared = split_groups(groups, 2, shared=False)  # prompts counted per response: 36, 36, 72, 36, 36, 36
-    assert [len(p) for p in unshared] == [3, 3]
-    assert [len(p) for p in split_groups(groups, 4, shared=True)] == [2, 1, 1, 2]
+def test_split_groups_balances_packed_tokens_over_the_batch():
+    """Each group to the rank with the fewest tokens so far in the batch (ties: rank 1 first): single-group
+    micro-batches alternate, and a large group is balanced by the next ones."""
+    small, large = (_group(s, lens=(1,) * 4) for s in range(2)), _group(9, lens=(10,) * 4)  # 12 and 48 tokens
+    a, b = small
+    loads = [0, 0]
+    assert split_groups([a], loads, shared=True) == [[], [a]] and loads == [0, 12]
+    assert split_groups([b], loads, shared=True) == [[b], []] and loads == [12, 12]
+    assert split_groups([large, a, b], loads, shared=True) == [[a, b], [large]] and loads == [36, 60]
+    assert split_groups([a], loads, shared=False) == [[a], []] and loads == [72, 60]  # unshared: 4 x (8 + 1)
+    three = [0, 0, 0]
+    assert split_groups([a, b, large, a], three, shared=True) == [[large], [a, a], [b]] and three == [48, 24, 12]
 
 
 def test_sum_gradients_keeps_a_parameter_no_rank_has_a_gradient_for_without_one():

@@ -23,6 +23,9 @@ def _cfg(**resources) -> Config:
         (4, {"borrow_rollout_threads": True, "rollout_workers": 2, "rollout_threads": 3, "train_threads": 2}, 4),
         (2, {"borrow_rollout_threads": True, "train_threads": 3}, 3),  # never fewer than its own
         (16, {"rollout_threads": 4}, 1),  # off by default: other runs may share the machine
+        (2, {"borrow_rollout_threads": True, "train_ranks": 2}, 1),  # the demo on 2 ranks: rank 1 holds the 2nd core
+        (8, {"borrow_rollout_threads": True, "train_ranks": 2, "rollout_threads": 4, "train_threads": 2}, 6),
+        (6, {"borrow_rollout_threads": True, "train_ranks": 3, "rollout_threads": 4, "train_threads": 1}, 4),
     ],
 )
 def test_idle_rollout_threads(monkeypatch, cores, resources, expected):

@@ -84,6 +84,10 @@ def test_a_resumed_run_logs_new_params_and_keeps_a_changed_one_as_a_tag(tmp_path
     assert run.data.params == {"lake.uri": "/data/lake", "trainer.lr": "0.001", "resources.train_ranks": "1"}
     assert run.data.tags["lockstep.resumed.lake.uri"] == "lake"
     assert not any(k.startswith("lockstep.resumed.") and k != "lockstep.resumed.lake.uri" for k in run.data.tags)
+    third = Tracker.start(uri, "exp", "run-c")  # a later resume by the first name again: the tag follows it
+    third.log_params({"lake.uri": "/data/lake", "trainer.lr": 0.001, "resources.train_ranks": 1})
+    run = MlflowClient(tracking_uri=uri).get_run(again.run_id)
+    assert run.data.params["lake.uri"] == "/data/lake" and run.data.tags["lockstep.resumed.lake.uri"] == "/data/lake"
 
 
 @pytest.mark.parametrize("mlflow_truncates", ["true", "false"])
