@@ -2,18 +2,19 @@
 
 A batch is the demo's: 32 groups of 8 responses (1-6 tokens) after prompts of 102-116 tokens, random tokens and
 rewards, arriving in shards of `shard_groups` groups, each shard cut into micro-batches of at most 4096 tokens as the
-train task cuts them (shared-prompt packing), on the demo model (0.8M parameters, fp32). One batch = every micro-step and the optimizer step (with, for the ranks, the
-weights sent to rank 1 at the batch's start and the gradients summed onto rank 0 at its end). Three trainers are
-built side by side in this process, from the same weights, and fed the same batches in turn (A B C C B A ...):
+train task cuts them (shared-prompt packing), on the demo model (0.8M parameters, fp32). One batch = every
+micro-step and the optimizer step (with, for the ranks, the weights sent to rank 1 at the batch's start and the
+gradients summed onto rank 0 at its end). Three trainers are built side by side in this process, from the same
+weights, and fed the same batches in turn (A B C C B A ...):
 
 - `one_rank_2_threads`: one `PolicyTrainer` with 2 torch threads (this machine's cores);
 - `two_ranks_1_thread`: a `DataParallelTrainer` of 2 ranks (rank 1 spawned, gloo) with 1 thread each;
 - `one_rank_1_thread`: one `PolicyTrainer` with 1 thread: what each rank has.
 
-One JSON line per `shard_groups` (4, the demo's, and 8) with `batch_s` of each (median of `--repeats` batches after one warm-up batch),
-`samples_per_s` of each, `speedup` = one_rank_2_threads / two_ranks_1_thread batch time, and `max_abs_diff`: the
-largest parameter difference between the one-rank (2 threads) and two-rank trainers after all those batches
-(their equality, up to the order of additions, is what the invariant test asserts).
+One JSON line per `shard_groups` (4, the demo's, and 8) with `batch_s` of each (median of `--repeats` batches after
+one warm-up batch), `samples_per_s` of each, `speedup` = one_rank_2_threads / two_ranks_1_thread batch time, and
+`max_abs_diff`: the largest parameter difference between the one-rank (2 threads) and two-rank trainers after all
+those batches (their equality, up to the order of additions, is what the invariant test asserts).
 
 With `--pipeline`, then the demo config through the real flow (tracking and evaluation off, as `benchmarks.pipeline`
 runs it), one JSON line per configuration with `iteration_s` and the other medians of `benchmarks.pipeline` over

@@ -9,18 +9,25 @@ order of floating-point additions. Needs an initialised default process group (`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+
+
+def _wait(work) -> None:
+    work.wait()
 
 
 def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def sum_gradients(module: torch.nn.Module, dst: int = 0) -> None:
+def sum_gradients(module: torch.nn.Module, dst: int = 0, wait: Callable = _wait) -> None:
     """Sum the accumulated `.grad` of `module`'s trainable parameters over all ranks onto rank `dst`, in fp32, in one
     collective. On `dst` a parameter's gradient stays None only where no rank had one (AdamW skips such a
-    parameter, as it would in one process); on the other ranks every gradient is dropped."""
+    parameter, as it would in one process); on the other ranks every gradient is dropped. `wait(work)` waits for
+    the collective (a caller may watch the other ranks meanwhile)."""
     params = _trainable(module)
     sizes = [p.numel() for p in params]
     total = sum(sizes)
@@ -31,7 +38,7 @@ def sum_gradients(module: torch.nn.Module, dst: int = 0) -> None:
             flat[offset : offset + sizes[i]] = p.grad.reshape(-1)
             flat[total + i] = 1.0  # this rank has a gradient for parameter i
         offset += sizes[i]
-    dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM)
+    wait(dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, async_op=True))
     if dist.get_rank() != dst:
         for p in params:
             p.grad = None
@@ -44,14 +51,14 @@ def sum_gradients(module: torch.nn.Module, dst: int = 0) -> None:
         offset += sizes[i]
 
 
-def broadcast_weights(modules: list[torch.nn.Module], src: int = 0) -> None:
+def broadcast_weights(modules: list[torch.nn.Module], src: int = 0, wait: Callable = _wait) -> None:
     """Copy the parameters of `modules` on rank `src` into the same modules on every other rank: one collective
     per dtype. The modules must have the same architecture on every rank (the order of `parameters()` is used)."""
     params = [p for m in modules for p in m.parameters()]
     for dtype in sorted({p.dtype for p in params}, key=str):
         group = [p for p in params if p.dtype == dtype]
         flat = torch.cat([p.detach().reshape(-1) for p in group])
-        dist.broadcast(flat, src=src)
+        wait(dist.broadcast(flat, src=src, async_op=True))
         if dist.get_rank() == src:
             continue
         offset = 0

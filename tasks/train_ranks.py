@@ -3,25 +3,30 @@ processes are ranks 1..N-1, each with a whole replica of the policy (and of the 
 
 Rank 0 cuts each micro-batch, as it is formed, into one part per rank (whole groups, each to the rank with the
 fewest packed tokens so far in the batch: `split_groups`), sends the other ranks theirs and runs its own in the
-caller's thread while they run theirs. At the optimizer step every rank's gradient and loss
-denominator are summed onto rank 0 (`models.data_parallel`), which alone holds optimizer state and steps; the new
-weights reach the other ranks by a broadcast at the start of the next batch. So the batch's gradient is the same sum
+caller's thread while they run theirs. At the optimizer step every rank's gradient and loss denominator are summed
+onto rank 0 (`models.data_parallel`), which alone holds optimizer state and steps; the new weights reach the other
+ranks by a broadcast at the start of the next batch. So the batch's gradient is the same sum
 as in one process (only the order of floating-point additions differs), and everything that reads or writes the
 trainer's model or optimizer (checkpoints, shared weights, resume) keeps working on rank 0 alone.
 
 Collectives run over `torch.distributed`: gloo on CPU, NCCL on CUDA (rank r on device r), HCCL on Ascend. Commands
-and figures travel over one pipe per rank; a rank that dies or fails is named in the error of the next call.
+and figures travel over one pipe per rank. A rank that fails a micro-step is named at the optimizer step, which no
+rank applies, and training goes on; a rank that dies (rank 0 watches the others while it waits for a collective) or
+stops answering, or any other break in the protocol, leaves the trainer refusing every later call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -44,6 +49,7 @@ class RankSpec:
     model_config: object  # the policy's transformers config
     attn_implementation: str
     dtypes: dict[str, torch.dtype]  # per parameter: a model may mix them (fp32 norms beside bf16 weights)
+    trainable: dict[str, bool]  # per parameter: requires_grad
     device_type: str
     threads: int
     has_ref: bool
@@ -57,9 +63,10 @@ def _rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
 
 
-def signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """Name, shape and dtype of every parameter, in `parameters()` order: what the collectives assume alike."""
-    return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+def signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    """Name, shape, dtype and trainability of every parameter, in `parameters()` order: what the collectives assume
+    alike on every rank."""
+    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
 
 
 def _replica(spec: RankSpec, device: torch.device) -> torch.nn.Module:
@@ -67,6 +74,7 @@ def _replica(spec: RankSpec, device: torch.device) -> torch.nn.Module:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.data = p.data.to(spec.dtypes[name])
+            p.requires_grad_(spec.trainable[name])
     model.set_attn_implementation(spec.attn_implementation)
     return model.to(device)
 
@@ -102,15 +110,21 @@ def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn, parent: i
         dist.init_process_group(
             BACKENDS[spec.device_type], store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10)
         )
+        conn.send(("joined", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
+    try:
+        _serve(trainer, conn)
+    except EOFError:  # rank 0's process is gone (killed): nothing left to train for
+        return
+
+
+def _serve(trainer: PolicyTrainer, conn) -> None:
+    """A rank's command loop, until `close`."""
     error = None  # a failed micro-step: reported at the next collect; the rank skips micro-steps until then
     while True:
-        try:
-            cmd = conn.recv()
-        except EOFError:  # rank 0's process is gone (killed): nothing left to train for
-            return
+        cmd = conn.recv()
         if cmd[0] == "close":
             dist.destroy_process_group()
             return
@@ -153,11 +167,36 @@ def split_groups(groups: list, loads: list[int], shared: bool) -> list[list]:
     return out
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while processes are started (from the main thread only, where handlers can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class DataParallelTrainer(PolicyTrainer):
     """Rank 0 of `ranks` data-parallel trainer ranks (see the module's docstring); its model and optimizer are the
     run's, as a `PolicyTrainer`'s are."""
 
-    def __init__(self, model, ref_model, *, ranks: int, threads: int, start_timeout_s: float = 300.0, **kwargs):
+    def __init__(
+        self,
+        model,
+        ref_model,
+        *,
+        ranks: int,
+        threads: int,
+        start_timeout_s: float = 300.0,
+        reply_timeout_s: float = 1800.0,
+        **kwargs,
+    ):
+        """`start_timeout_s`: for each rank to build its replica and join; `reply_timeout_s`: for a rank to finish its
+        queued micro-steps and answer the optimizer step's `collect` (a rank alive but stuck is named after it)."""
         super().__init__(model, ref_model, **kwargs)
         if ranks < 2:
             raise ValueError(f"a data-parallel trainer needs at least 2 ranks, got {ranks}")
@@ -174,11 +213,13 @@ class DataParallelTrainer(PolicyTrainer):
             raise ValueError(f"rank 0 of data-parallel training runs on {device_type}:0, not {param.device}")
         self.world = ranks
         self.start_timeout_s = start_timeout_s
+        self.reply_timeout_s = reply_timeout_s
         spec = RankSpec(
             model_class=type(model),
             model_config=model.config,
             attn_implementation=model.config._attn_implementation,
             dtypes={name: p.dtype for name, p in model.named_parameters()},
+            trainable={name: p.requires_grad for name, p in model.named_parameters()},
             device_type=device_type,
             threads=threads,
             has_ref=ref_model is not None,
@@ -187,36 +228,36 @@ class DataParallelTrainer(PolicyTrainer):
             shared_prompt=self.shared_prompt,
             lr=self.peak_lr,
         )
-        self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False)
+        self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False, timeout=timedelta(seconds=60))
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         self._closed = False
         self._broken: str | None = None
-        for rank in range(1, ranks):
-            parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(rank, ranks, self._store.port, spec, child_end, os.getpid()),
-                name=f"lockstep-train-rank-{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child_end.close()
-            self._conns.append(parent_end)
-            self._procs.append(proc)
+        with _sigint_ignored():  # inherited through exec: a Ctrl-C during a rank's imports is rank 0's to handle
+            for rank in range(1, ranks):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(rank, ranks, self._store.port, spec, child_end, os.getpid()),
+                    name=f"lockstep-train-rank-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                child_end.close()
+                self._conns.append(parent_end)
+                self._procs.append(proc)
         try:
             own = signature(model)
             for rank in range(1, ranks):
                 theirs = self._receive(rank, "built", start_timeout_s)[1]
                 if theirs != own:
                     diff = next(((a, b) for a, b in zip(own, theirs, strict=False) if a != b), None)
+                    counts = f"{len(theirs)} parameters, not {len(own)}; " if len(theirs) != len(own) else ""
                     raise TrainRankError(
-                        f"trainer rank {rank} built a replica unlike rank 0's model ({len(theirs)} parameters, not "
-                        f"{len(own)}; first difference {diff}): its class or config does not rebuild it"
+                        f"trainer rank {rank} built a replica unlike rank 0's model ({counts}first difference, rank "
+                        f"0's then rank {rank}'s: {diff}): its class or config does not rebuild the model"
                     )
-            dist.init_process_group(
-                BACKENDS[device_type], store=self._store, rank=0, world_size=ranks, timeout=timedelta(minutes=10)
-            )
+            self._rendezvous(BACKENDS[device_type])
         except BaseException:
             self._stop_ranks()
             raise
@@ -225,11 +266,50 @@ class DataParallelTrainer(PolicyTrainer):
         self.rank_micro_batches = [0] * ranks  # the last batch's micro-steps per rank
         self.rank_tokens = [0] * ranks  # and its packed tokens per rank (`split_groups` balances them)
 
+    def _rendezvous(self, backend: str) -> None:
+        """Join the process group, in a thread, while the other ranks are watched: each reports "joined" once it is
+        in, and one that dies or fails first is named at once (rank 0 alone would wait out the store's timeout)."""
+        failure: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group(
+                    backend, store=self._store, rank=0, world_size=self.world, timeout=timedelta(minutes=10)
+                )
+            except BaseException as e:  # handed to the caller's thread
+                failure.append(e)
+
+        thread = threading.Thread(target=join, name="lockstep-train-rendezvous", daemon=True)
+        thread.start()
+        for rank in range(1, self.world):
+            self._receive(rank, "joined", self.start_timeout_s)
+        thread.join(timeout=self.start_timeout_s)
+        if failure or thread.is_alive():
+            raise TrainRankError(f"rank 0 could not join the trainer ranks' process group: {failure or 'timed out'}")
+
     def _died(self, rank: int, detail: str = "") -> TrainRankError:
         """The error of rank `rank` gone; the trainer refuses every later call with it (a collective needs all)."""
         proc = self._procs[rank - 1]
         self._broken = f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode}){detail}"
         return TrainRankError(self._broken)
+
+    def _fail(self, e: BaseException) -> None:
+        """Mark the trainer unusable after `e` broke the protocol midway (a timeout, an unexpected message, a failed
+        collective, an interrupt): the ranks may now wait for different things, and the next collective would hang."""
+        if self._broken is None:
+            self._broken = f"{type(e).__name__}: {(str(e) or '-').splitlines()[0]}"
+
+    def _wait_for(self, what: str, work) -> None:
+        """Wait for a collective while watching the other ranks: one that dies is named (gloo would raise on its own;
+        NCCL would wait out its timeout and have the watchdog end this process)."""
+        pause = 0.0001
+        while not work.is_completed():
+            for rank, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive():
+                    raise self._died(rank, f" during {what}")
+            time.sleep(pause)
+            pause = min(0.002, pause * 2)
+        work.wait()  # raises what the collective failed with
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -267,10 +347,14 @@ class DataParallelTrainer(PolicyTrainer):
         """Rank 0's weights (and the proximal model's, and once the reference's) to every rank."""
         prox = self.prox_version if self.prox_model is not None else None
         send_ref = not self._synced_ref and self.ref_model is not None
-        for rank in range(1, self.world):
-            self._send(rank, ("sync", send_ref, prox))
         modules = [self.model] + ([self.prox_model] if prox is not None else []) + ([self.ref_model] * send_ref)
-        self._collective("the weights' broadcast", broadcast_weights, modules)
+        try:
+            for rank in range(1, self.world):
+                self._send(rank, ("sync", send_ref, prox))
+            self._collective("the weights' broadcast", broadcast_weights, modules)
+        except BaseException as e:
+            self._fail(e)
+            raise
         self._synced_ref = True
         self._needs_sync = False
         self.rank_micro_batches = [0] * self.world
@@ -299,33 +383,38 @@ class DataParallelTrainer(PolicyTrainer):
     def optimizer_step(self) -> dict[str, float]:
         """Every rank's accumulators and gradient summed onto rank 0, then `PolicyTrainer.optimizer_step`."""
         self._check_usable()
-        replies = []
-        for rank in range(1, self.world):
-            self._send(rank, ("collect",))
-        for rank in range(1, self.world):
-            replies.append(self._receive(rank, "collected", self.start_timeout_s))
-        failed = [(rank, msg[1]) for rank, msg in enumerate(replies, start=1) if msg[1] is not None]
-        verdict = ("discard",) if failed else ("reduce",)
-        for rank in range(1, self.world):
-            self._send(rank, verdict)
         self._needs_sync = True
-        if failed:
+        try:
+            replies = []
+            for rank in range(1, self.world):
+                self._send(rank, ("collect",))
+            for rank in range(1, self.world):
+                replies.append(self._receive(rank, "collected", self.reply_timeout_s))
+            failed = [(rank, msg[1]) for rank, msg in enumerate(replies, start=1) if msg[1] is not None]
+            verdict = ("discard",) if failed else ("reduce",)
+            for rank in range(1, self.world):
+                self._send(rank, verdict)
+            if not failed:
+                for msg in replies:
+                    self.merge_accumulators(msg[2])
+                self._collective("the gradient sum", sum_gradients, self.model)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        if failed:  # every rank dropped its gradient: the trainer goes on with the next batch
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_accumulators()
             rank, error = failed[0]
             raise TrainRankError(f"trainer rank {rank} failed a micro-step; the step was not applied:\n{error}")
-        for msg in replies:
-            self.merge_accumulators(msg[2])
-        self._collective("the gradient sum", sum_gradients, self.model)
         figures = super().optimizer_step()
         figures["train/ranks"] = float(self.world)
         return figures
 
     def _collective(self, what: str, fn, *args) -> None:
-        """`fn(*args)`, a collective every rank has been told to join; a rank gone meanwhile is named (gloo raises
-        at once when a peer's connection closes; NCCL waits out its timeout)."""
+        """`fn(*args)`, a collective every rank has been told to join, waited for by `_wait_for`; a rank gone
+        meanwhile is named (gloo also raises at once when a peer's connection closes)."""
         try:
-            fn(*args)
+            fn(*args, wait=partial(self._wait_for, what))
         except RuntimeError as e:
             for rank, proc in enumerate(self._procs, start=1):
                 proc.join(timeout=1.0)

@@ -45,9 +45,9 @@ def test_two_trainer_ranks_equal_one_and_negative_control(tmp_path, monkeypatch)
 
     real_sum = models.data_parallel.sum_gradients
 
-    def own_share_only(module, dst=0):  # on rank 0 (this process): the sum taken, then rank 1's part dropped
+    def own_share_only(module, dst=0, **kwargs):  # on rank 0 (this process): the sum taken, rank 1's part dropped
         own = {p: None if p.grad is None else p.grad.clone() for p in module.parameters()}
-        real_sum(module, dst)
+        real_sum(module, dst, **kwargs)
         for p, g in own.items():
             p.grad = g
 

@@ -196,7 +196,8 @@ def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code, api):
 @pytest.mark.slow
 def test_two_trainer_ranks_killed_mid_train_leave_nothing_running_and_resume(reference, api):
     """`resources.train_ranks: 2`, the flow's process SIGKILLed mid-train: its spawned trainer rank ends with it (no
-    process of the run is left), and `lockstep resume` (two ranks again) equals the uninterrupted one-rank run."""
+    process of the run is left), `lockstep resume` (two ranks again) equals the uninterrupted one-rank run, and a
+    replay of the resumed run is bitwise equal to it."""
     tmp, ref_params = reference
     cfg = write_config(tmp, "k-ranks", {"run.iterations": ITERS, "resources.train_ranks": 2})
     survivors: list[str] = []
@@ -210,6 +211,10 @@ def test_two_trainer_ranks_killed_mid_train_leave_nothing_running_and_resume(ref
     diff = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
     assert diff <= 1e-5, f"the resumed two-rank run differs from the uninterrupted one-rank run by {diff}"
     assert [r["figures"]["train/ranks"] for r in ledger.read_all(Lake(lake_uri), "k-ranks")] == [2.0] * ITERS
+    # a replay of it (two ranks again) takes the same micro-batches, hence the same split and sums: bitwise equal
+    from flows.replay import _replay
+
+    assert [r["max_abs_diff"] for r in _replay("k-ranks", Lake(lake_uri))] == [0.0] * ITERS
 
 
 @pytest.mark.slow

@@ -122,21 +122,42 @@ def test_a_rank_that_dies_inside_the_gradient_sum_is_named(monkeypatch):
     _, two = _pair(LossSettings())
     real = tasks.train_ranks.sum_gradients
 
-    def killed_first(module, dst=0):
+    def killed_first(module, dst=0, wait=None):
         proc = two._procs[0]
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(timeout=10)
-        real(module, dst)
+        real(module, dst, wait=wait)
 
     monkeypatch.setattr(tasks.train_ranks, "sum_gradients", killed_first)
     try:
         two.micro_step([_group(1), _group(2)])
         with pytest.raises(
-            TrainRankError, match=r"trainer rank 1 \(pid \d+\) died \(exit code -9\) during the gradient sum: .*closed"
+            TrainRankError, match=r"trainer rank 1 \(pid \d+\) died \(exit code -9\) during the gradient sum"
         ):
             two.optimizer_step()
+        with pytest.raises(TrainRankError, match="cannot go on: trainer rank 1 .* during the gradient sum"):
+            two.micro_step([_group(3)])
     finally:
         two.close()
+
+
+def test_a_rank_that_stops_answering_breaks_the_trainer_for_good():
+    """Rank 1 stopped (SIGSTOP) before it answers `collect`: after the timeout the step fails naming it, and every
+    later call is refused (the ranks now wait for different messages: a next collective would hang)."""
+    _, two = _pair(LossSettings())
+    proc = two._procs[0]
+    try:
+        two.micro_step([_group(1), _group(2)])
+        os.kill(proc.pid, signal.SIGSTOP)
+        two.reply_timeout_s = 1.0
+        with pytest.raises(TrainRankError, match=r"trainer rank 1 \(pid \d+\) sent no 'collected' within 1 s"):
+            two.optimizer_step()
+        with pytest.raises(TrainRankError, match="cannot go on: TrainRankError: trainer rank 1 .* sent no 'collected'"):
+            two.micro_step([_group(3), _group(4)])
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        two.close()
+    assert not proc.is_alive()
 
 
 def test_a_failed_micro_step_on_another_rank_refuses_the_step():
