@@ -415,6 +415,8 @@ class DataParallelTrainer(PolicyTrainer):
         meanwhile is named (gloo also raises at once when a peer's connection closes)."""
         try:
             fn(*args, wait=partial(self._wait_for, what))
+        except TrainRankError:  # `_wait_for` named the rank already
+            raise
         except RuntimeError as e:
             for rank, proc in enumerate(self._procs, start=1):
                 proc.join(timeout=1.0)

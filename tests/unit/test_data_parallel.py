@@ -64,7 +64,7 @@ def test_two_ranks_equal_one_with_kl_and_ppo_mini_batches():
                 assert a["train/micro_batches"] == n and b["train/micro_batches"] == 2 * n  # forward passes
                 assert b["train/ranks"] == 2.0 and "train/ranks" not in a
                 for key in ("loss/policy", "kl/mean", "grad/norm", "entropy/mean", "clip/fraction"):
-                    assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+                    assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
                 diff = _max_diff(one.model, two.model)
                 assert diff <= 1e-5, f"step {batch}.{m}: two ranks differ from one by {diff}"
         assert a["kl/mean"] > 0  # the reference was used and had drifted from the policy
@@ -85,8 +85,8 @@ def test_decoupled_recompute_sends_the_proximal_weights():
                     t.micro_step(g, version)
             a, b = one.optimizer_step(), two.optimizer_step()
             assert two.rank_micro_batches == [4, 4]
-            assert b["is_weight/max"] == pytest.approx(a["is_weight/max"], rel=1e-4)
-            assert b["is_weight/mean"] == pytest.approx(a["is_weight/mean"], rel=1e-4)
+            assert b["is_weight/max"] == pytest.approx(a["is_weight/max"], rel=1e-5)
+            assert b["is_weight/mean"] == pytest.approx(a["is_weight/mean"], rel=1e-5)
             diff = _max_diff(one.model, two.model)
             assert diff <= 1e-5, f"version {version}: two ranks differ from one by {diff}"
         assert two.prox_version == one.prox_version == 3
@@ -132,7 +132,8 @@ def test_a_rank_that_dies_inside_the_gradient_sum_is_named(monkeypatch):
     try:
         two.micro_step([_group(1), _group(2)])
         with pytest.raises(
-            TrainRankError, match=r"trainer rank 1 \(pid \d+\) died \(exit code -9\) during the gradient sum"
+            TrainRankError,
+            match=r"^trainer rank 1 \(pid \d+\) died \(exit code -9\) during the gradient sum(: [^\n]*closed[^\n]*)?$",
         ):
             two.optimizer_step()
         with pytest.raises(TrainRankError, match="cannot go on: trainer rank 1 .* during the gradient sum"):
