@@ -27,7 +27,17 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.common import MAX_ITERATIONS, abba, check_dir, check_range, check_unique, emit, parser, work_dir
+from benchmarks.common import (
+    MAX_ITERATIONS,
+    abba,
+    check_dir,
+    check_range,
+    check_unique,
+    emit,
+    parser,
+    side_by_side_trainers,
+    work_dir,
+)
 from benchmarks.pipeline import run, summarise
 
 METHODS = ("loglinear", "recompute")
@@ -279,29 +289,16 @@ def replayed_train_steps(lake_uri: str, run_ids: list[str], warmup: int) -> dict
     batches of recompute / loglinear on the same batch (the sum of its two timings over the other's): in the flow each
     method's train step is timed in its own runs, minutes apart, beside a rollout worker on the other core, and this
     machine's speed moves run-level medians by 10-30% within minutes."""
-    import tempfile
-
-    import torch
-
-    from configs.schema import Config
     from flows.replay import recorded_batch, train_recorded_batch
-    from models.tiny import load_hf
     from storage import checkpoints, ledger
-    from storage.lake import Lake, read_json
-    from tasks.preflight import resolve_device
-    from tasks.session import build_trainer
+    from storage.lake import Lake
 
     lake = Lake(lake_uri)
-    base = Config.model_validate(read_json(lake, f"{lake.run_dir(run_ids[0])}/config.json"))
-    torch.set_num_threads(base.resources.train_threads)  # what the train task trains on in async mode
-    trainers = {}
-    with tempfile.TemporaryDirectory() as cache:
-        for prox in METHODS:
-            cfg = base.model_copy(deep=True)
-            cfg.algorithm.prox_logp = prox
-            cfg.resources.train_ranks = 1  # the methods' train steps are timed side by side in this one process
-            model, tok = load_hf(checkpoints.local_copy(lake, lake.checkpoint_dir(run_ids[0], 0), cache))
-            trainers[prox] = (cfg, build_trainer(cfg, model, tok, resolve_device(cfg.trainer.device)))
+
+    def method(prox: str):
+        return lambda cfg: setattr(cfg.algorithm, "prox_logp", prox)
+
+    trainers = side_by_side_trainers(lake, run_ids[0], {prox: method(prox) for prox in METHODS})
     batches = [
         (run_id, record)
         for run_id in run_ids

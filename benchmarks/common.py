@@ -105,3 +105,29 @@ def demo_model_and_groups(n_groups: int = 4, group_size: int = 8, seed: int = 0)
     with torch.no_grad():
         groups = generate_groups(model, ids, group_size, params, seeds, tok.eos_token_id, tok.pad_token_id)
     return model, tok, ids, groups
+
+
+def side_by_side_trainers(lake, run_id: str, variants: dict[str, Callable]) -> dict[str, tuple]:
+    """A trainer per variant of run `run_id`'s frozen config, for timing train steps side by side in this process:
+    `variants[name](cfg)` edits a copy of the config; each gets one rank and the run's v0 weights (a caller loads
+    those of the batch it times), and torch gets the train task's thread count. Returns {name: (cfg, trainer)}."""
+    import torch
+
+    from configs.schema import Config
+    from models.tiny import load_hf
+    from storage import checkpoints
+    from storage.lake import read_json
+    from tasks.preflight import resolve_device
+    from tasks.session import build_trainer
+
+    base = Config.model_validate(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
+    torch.set_num_threads(base.resources.train_threads)
+    trainers = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for name, edit in variants.items():
+            cfg = base.model_copy(deep=True)
+            edit(cfg)
+            cfg.resources.train_ranks = 1
+            model, tok = load_hf(checkpoints.local_copy(lake, lake.checkpoint_dir(run_id, 0), cache))
+            trainers[name] = (cfg, build_trainer(cfg, model, tok, resolve_device(cfg.trainer.device)))
+    return trainers

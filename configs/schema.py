@@ -284,6 +284,13 @@ class TrainSection(_Section):
         description="Trainer attention kernel. auto: FlexAttention block masks on CUDA where torch has them "
         "(responses' blocks that see no other response are skipped), SDPA with a dense boolean mask otherwise.",
     )
+    skip_zero_advantage: bool = Field(
+        True,
+        description="Count a group whose rewards are all equal (zero advantage) in the loss normaliser but skip its "
+        "forward and backward passes: the same gradient, less compute. Ignored with algorithm.kl_coef > 0 (the KL "
+        "term has a gradient there). Token-averaged figures (entropy/mean, clip/fraction...) are then over the "
+        "groups trained.",
+    )
 
 
 class PipelineSection(_Section):

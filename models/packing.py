@@ -40,14 +40,22 @@ class Packed:
         return int(self.input_ids.numel())
 
 
+def response_mask(responses: list[list[int]]) -> torch.Tensor:
+    """(S, T) float, 1 on each response's tokens: the loss mask of a packed batch of these responses, in either
+    layout (what the loss's normaliser counts)."""
+    T = max([len(r) for r in responses] + [1])
+    mask = torch.zeros((len(responses), T), dtype=torch.float32)
+    for s, r in enumerate(responses):
+        mask[s, : len(r)] = 1.0
+    return mask
+
+
 def _sample_table(groups: list[Group], pad_id: int):
     samples = [r for g in groups for r in g.responses]
-    T = max([len(r) for r in samples] + [1])
-    targets = torch.full((len(samples), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), T), dtype=torch.float32)
+    mask = response_mask(samples)
+    targets = torch.full(mask.shape, pad_id, dtype=torch.long)
     for s, r in enumerate(samples):
         targets[s, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[s, : len(r)] = 1.0
     return samples, targets, mask
 
 

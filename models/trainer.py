@@ -7,6 +7,8 @@ policy detached, since with one optimizer step per batch the ratio is exactly 1,
 loss *numerator* only; the batch's normaliser (tokens or sequences) is known only when the batch is complete, so
 `optimizer_step` divides the accumulated gradient by the accumulated denominator. The sum over micro-batches then
 equals the whole-batch loss gradient whatever the split or the order of arrival (DESIGN.md, Propositions 1-2).
+A group whose rewards are all equal (zero advantage) adds only its tokens to that denominator: without a KL term its
+gradient is exactly 0, so its forward and backward passes are skipped (`LossSettings.skip_zero_advantage`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from models import objectives
-from models.packing import Group, pack, packed_logits, token_logprobs, use_shared
+from models.packing import Group, pack, packed_logits, response_mask, token_logprobs, use_shared
 
 
 @dataclass
@@ -76,6 +78,9 @@ class LossSettings:
     is_cap: float | None = 5.0
     is_mode: objectives.ISMode = "cap"
     is_level: objectives.ISLevel = "token"
+    # a group whose rewards are all equal has zero advantage, so without a KL term it adds exactly 0 to the
+    # gradient: micro_step counts its tokens in the loss normaliser and leaves it out of the forward and backward
+    skip_zero_advantage: bool = True
 
 
 class PolicyTrainer:
@@ -154,6 +159,29 @@ class PolicyTrainer:
     def close(self) -> None:
         """Release what the trainer started (nothing here; a data-parallel trainer stops its other ranks)."""
 
+    def skips(self, group: RolloutGroup) -> bool:
+        """Whether `micro_step` leaves `group` out of its forward and backward passes (`skip_zero_advantage`): its
+        rewards are all equal, so every advantage estimator gives it exactly 0 (also with G = 1), and with no KL term
+        its per-token loss and gradient are exactly 0 (decoupled PPO's too: its weights multiply the advantage)."""
+        if not self.loss.skip_zero_advantage or self.loss.kl_coef > 0:
+            return False
+        r = torch.tensor(group.rewards, dtype=torch.float32)  # the advantage estimators' equality test, in fp32
+        return bool((r == r[0]).all())
+
+    def _count_skipped(self, groups: list[RolloutGroup]) -> None:
+        """What skipped groups add to the batch: their share of the loss normaliser (tokens or sequences, as the
+        forward pass would have counted them: their response masks) and the counts; 0 to the numerator."""
+        mask = response_mask([r for g in groups for r in g.responses])  # (S, T)
+        _, denominator = objectives.aggregate_parts(
+            torch.zeros(mask.shape), mask, self.loss.loss_agg, norm_len=self.loss.norm_len
+        )
+        self._denominator += denominator
+        self._samples += mask.shape[0]
+        self._groups += len(groups)
+        self._sums["adv/zero_groups"] += len(groups)
+        self._sums["train/skipped_groups"] += len(groups)
+        self._sums["train/skipped_tokens"] += float(mask.sum())
+
     def micro_step(self, groups: list[RolloutGroup], version: int = 0, behavior_old: bool = False) -> dict[str, float]:
         """Forward + backward of the loss numerator on one micro-batch of whole groups; returns its figures.
 
@@ -166,11 +194,19 @@ class PolicyTrainer:
 
         On-policy, the old policy is the current one (ratio exactly 1) until the batch's first optimizer step;
         `behavior_old` (PPO mini-batches after the first) takes the rollout's behaviour log-probs instead: the
-        policy that generated the batch, which the trainer's weights have since moved away from."""
+        policy that generated the batch, which the trainer's weights have since moved away from.
+
+        Groups with zero advantage are counted, not run (`skips`). Returns the response tokens and samples run."""
         if not groups:
             raise ValueError("micro_step needs at least one group")
         self.model.train()
         self._batch_version = version
+        skipped = [self.skips(g) for g in groups]
+        if any(skipped):
+            self._count_skipped([g for g, skip in zip(groups, skipped, strict=True) if skip])
+            groups = [g for g, skip in zip(groups, skipped, strict=True) if not skip]
+            if not groups:
+                return {"tokens": 0.0, "samples": 0}
         s = self.loss
         rewards = [torch.tensor(g.rewards, dtype=torch.float32) for g in groups]
         advs, zero_groups = [], 0
@@ -304,6 +340,12 @@ class PolicyTrainer:
             raise RuntimeError(f"loss denominator is {self._denominator}: the batch has no response tokens")
         scale = 1.0 / self._denominator
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params and self._sums["train/skipped_groups"]:
+            # every group of the batch was skipped: its gradient is exactly 0, on which AdamW still steps (its moments
+            # move the weights), as it would have after the backward passes that were skipped
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            for p in params:
+                p.grad = torch.zeros_like(p)
         for p in params:
             p.grad.mul_(scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip else math.inf)
@@ -331,6 +373,8 @@ class PolicyTrainer:
             "train/tokens": self._tokens,
             "train/samples": float(self._samples),
             "adv/zero_groups": self._sums["adv/zero_groups"],
+            "train/skipped_groups": self._sums["train/skipped_groups"],
+            "train/skipped_tokens": self._sums["train/skipped_tokens"],
             "train/micro_batches": self._sums["train/micro_batches"],
             "train/shared_fallbacks": self._sums["train/shared_fallbacks"],
         }

@@ -196,6 +196,8 @@ _SUMMED = (
     "train/micro_batches",
     "train/shared_fallbacks",
     "adv/zero_groups",
+    "train/skipped_groups",
+    "train/skipped_tokens",
     "time/prox_s",
 )
 

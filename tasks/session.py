@@ -427,6 +427,7 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
         is_cap=a.is_cap,
         is_mode=a.is_mode,
         is_level=a.is_level,
+        skip_zero_advantage=cfg.train.skip_zero_advantage,
     )
     ranks = cfg.resources.train_ranks
     make = (

@@ -369,14 +369,15 @@ class DataParallelTrainer(PolicyTrainer):
         if self._needs_sync:
             self._sync()
         self._batch_version = version
-        parts = split_groups(groups, self.rank_tokens, self.shared_prompt)
+        idle = [g for g in groups if self.skips(g)]  # zero advantage: only counted, so rank 0 keeps them at no load
+        parts = split_groups([g for g in groups if not self.skips(g)], self.rank_tokens, self.shared_prompt)
         for rank in range(1, self.world):
             if parts[rank]:
                 self._send(rank, ("micro", parts[rank], version, behavior_old))
                 self.rank_micro_batches[rank] += 1
-        if parts[0]:
-            super().micro_step(parts[0], version, behavior_old)
-            self.rank_micro_batches[0] += 1
+        if parts[0] or idle:
+            super().micro_step(parts[0] + idle, version, behavior_old)
+            self.rank_micro_batches[0] += bool(parts[0])
         tokens = sum(len(r) for g in groups for r in g.responses)
         return {"tokens": float(tokens), "samples": sum(len(g.responses) for g in groups)}
 

@@ -76,6 +76,20 @@ def test_two_iterations_through_prefect(tmp_path):
             assert [r.seed for r in rows] == [sample_seed(3, r.iteration, r.prompt_id, r.sample_index) for r in rows]
         plan = rec["prompt_ids"]
         assert [chunks[i] for i in sorted(chunks)] == [plan[i : i + 2] for i in range(0, 8, 2)]
+    # the groups whose rewards are all equal were counted, not trained (train.skip_zero_advantage, the default)
+    for rec in records:
+        rewards: dict[int, set] = {}
+        for r in samples.values():
+            if r.iteration == rec["iteration"]:
+                rewards.setdefault(r.prompt_id, set()).add(r.reward)
+        flat = sum(len(v) == 1 for v in rewards.values())
+        fig = rec["figures"]
+        assert fig["train/skipped_groups"] == fig["adv/zero_groups"] == flat and fig["train/samples"] == 8 * 4
+        assert fig["train/skipped_tokens"] == sum(
+            len(r.response_ids)
+            for r in samples.values()
+            if r.iteration == rec["iteration"] and len(rewards[r.prompt_id]) == 1
+        )
 
     # summary.json and the frozen config
     on_disk = json.loads((tmp_path / f"lake/runs/{rid}/summary.json").read_text())

@@ -69,7 +69,7 @@ def bench(module: str, *args: str, env: dict, timeout: float = 60) -> subprocess
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume", "data_parallel"])
+@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage"])
 def test_help_prints_usage_and_runs_nothing(module, env):
     t0 = time.perf_counter()
     r = bench(module, "--help", env=env)
@@ -80,7 +80,7 @@ def test_help_prints_usage_and_runs_nothing(module, env):
     assert not _marked(env[MARKER]) and not os.listdir(env["TMPDIR"])  # no training run, no work directory
 
 
-@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume", "data_parallel"])
+@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage"])
 def test_unknown_flag_exits_2(module, env):
     r = bench(module, "--iterationz", "3", env=env)
     assert r.returncode == 2
@@ -110,10 +110,13 @@ def test_unknown_flag_exits_2(module, env):
         ("resume", ["--iterations", "2"], "--iterations 2: must be in [3, 100000]"),
         ("shared_prompt", ["--threads", "0"], "--threads 0: must be at least 1"),
         ("data_parallel", ["--repeats", "0"], "--repeats 0: must be in [1, 1000]"),
+        ("zero_advantage", ["--iterations", "4", "--warmup", "4"], "--warmup 4: must be in [0, 3]"),
+        ("zero_advantage", ["--partial-credit", "1"], "--partial-credit 1.0: must be in [0, 1)"),
+        ("zero_advantage", ["--partial-credit", "0", "0.0"], "--partial-credit 0.0 0.0: give each value once"),
     ],
 )
 def test_bad_number_exits_2_naming_the_flag(module, args, message, env, tmp_path):
-    work = ["--dir", str(tmp_path / "work")] if module in ("pipeline", "a3po") else []
+    work = ["--dir", str(tmp_path / "work")] if module in ("pipeline", "a3po", "zero_advantage") else []
     r = bench(module, *args, *work, env=env)
     assert r.returncode == 2, r.stderr
     assert f"error: {message}" in r.stderr and "Traceback" not in r.stderr
@@ -121,7 +124,7 @@ def test_bad_number_exits_2_naming_the_flag(module, args, message, env, tmp_path
     assert not _marked(env[MARKER])
 
 
-@pytest.mark.parametrize("module", ["pipeline", "a3po"])
+@pytest.mark.parametrize("module", ["pipeline", "a3po", "zero_advantage"])
 @pytest.mark.parametrize(
     ("where", "reason"), [("file", "exists and is not a directory"), ("file/sub", "cannot create {}: Not a directory")]
 )

@@ -215,3 +215,24 @@ def test_resume_figures_charge_only_what_the_left_iterations_do_not_explain():
         "resume_setup_s": 10.0,
         "resume_setup_over_iteration": 1.0,
     }
+
+
+def test_flattened_reaches_the_share_with_evenly_spread_groups():
+    """`benchmarks.zero_advantage.flattened`: 10 groups in shards of 4, 4, 2, one already all equal; a share of 0.5
+    makes 4 more all equal (every other group with signal, in batch order), keeps the shards and leaves the rest and
+    the input untouched; a share below what the batch already has changes nothing."""
+    from benchmarks.zero_advantage import flattened
+    from models.trainer import RolloutGroup
+
+    def group(i: int, rewards) -> RolloutGroup:
+        return RolloutGroup([i], [[1], [2], [3]], list(rewards), [[0.0]] * 3, [[0]] * 3, prompt_id=i)
+
+    groups = [group(i, (1.0, 1.0, 1.0) if i == 3 else (0.0, 0.5, float(i))) for i in range(10)]
+    batch = [groups[:4], groups[4:8], groups[8:]]
+    out = flattened(batch, 0.5)
+    assert [len(shard) for shard in out] == [4, 4, 2]
+    flat = [g.prompt_ids[0] for shard in out for g in shard if len(set(g.rewards)) == 1]
+    assert flat == [0, 2, 3, 5, 7]  # 3 already was; of the 9 with signal, those at positions 0, 2, 4 and 6
+    assert [g.rewards for shard in out for g in shard if g.prompt_ids[0] == 2] == [[0.0, 0.0, 0.0]]
+    assert groups[2].rewards == [0.0, 0.5, 2.0]  # the recorded groups are not modified
+    assert flattened(batch, 0.05) == batch

@@ -6,6 +6,7 @@ Each test builds a real `DataParallelTrainer` (a spawned rank 1, collectives ove
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import signal
 
@@ -29,6 +30,11 @@ def _group(seed: int, version: int = 0, lens=(3, 1, 4, 2)) -> RolloutGroup:
     rewards = torch.rand(len(lens), generator=gen).tolist()
     behaviour = [(-2.0 - torch.rand(n, generator=gen)).tolist() for n in lens]
     return RolloutGroup(prompt, responses, rewards, behaviour, [[version] * n for n in lens])
+
+
+def _flat(seed: int) -> RolloutGroup:
+    """A group whose rewards are all equal: zero advantage."""
+    return dataclasses.replace(_group(seed), rewards=[1.0] * 4)
 
 
 def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -90,6 +96,35 @@ def test_decoupled_recompute_sends_the_proximal_weights():
             diff = _max_diff(one.model, two.model)
             assert diff <= 1e-5, f"version {version}: two ranks differ from one by {diff}"
         assert two.prox_version == one.prox_version == 3
+    finally:
+        two.close()
+
+
+def test_zero_advantage_groups_stay_on_rank_0_uncounted_in_the_split():
+    """Groups with zero advantage are only counted (`train.skip_zero_advantage`): rank 0 keeps them, the split
+    balances the others, a micro-batch of them alone reaches no other rank, and a batch of them alone still steps
+    (AdamW's moments) as one process does: weights within 1e-5 of one process."""
+    one, two = _pair(LossSettings())
+    try:
+        batches = [
+            [[_flat(1), _group(2), _flat(3), _group(4)], [_flat(5), _flat(6)], [_group(7), _group(8)]],
+            [[_flat(9)], [_flat(10), _flat(11)]],
+        ]
+        for batch in batches:
+            for mb in batch:
+                for t in (one, two):
+                    t.micro_step(mb)
+            if batch is batches[0]:
+                signal = [g for mb in batch for g in mb if not one.skips(g)]
+                assert sum(two.rank_tokens) == sum(len(g.prompt_ids) + sum(map(len, g.responses)) for g in signal)
+                assert two.rank_micro_batches == [2, 2]  # the micro-batch of zero groups went nowhere
+            else:
+                assert two.rank_micro_batches == [0, 0] and two.rank_tokens == [0, 0]
+            a, b = one.optimizer_step(), two.optimizer_step()
+            assert b["train/skipped_groups"] == a["train/skipped_groups"] == (4.0 if batch is batches[0] else 3.0)
+            assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=1e-5, abs=1e-9)
+            diff = _max_diff(one.model, two.model)
+            assert diff <= 1e-5, f"two ranks differ from one by {diff}"
     finally:
         two.close()
 

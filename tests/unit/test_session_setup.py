@@ -90,6 +90,7 @@ def test_build_trainer_passes_the_configured_settings(mode, decoupled):
             "trainer.lr=0.002",
             "rollout.temperature=0.7",
             "algorithm.clip_high=0.28",
+            f"train.skip_zero_advantage={mode != 'sync'}",
         ],
     )
     tok = build_char_tokenizer()
@@ -98,6 +99,7 @@ def test_build_trainer_passes_the_configured_settings(mode, decoupled):
     assert (group["betas"], group["weight_decay"], group["lr"]) == ((0.8, 0.95), 0.1, 0.002)
     assert (trainer.loss.temperature, trainer.loss.clip_low, trainer.loss.clip_high) == (0.7, 0.2, 0.28)
     assert trainer.loss.decoupled is decoupled
+    assert trainer.loss.skip_zero_advantage is (mode != "sync")
 
 
 def _saved(tmp_path, version: int):

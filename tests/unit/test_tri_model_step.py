@@ -100,7 +100,8 @@ def test_no_reference_forward_without_kl(models):
 def test_shared_fallback_counter(models):
     policy, _ = models
     log = ForwardLog(policy)
-    trainer = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD, shared_prompt=True)
+    keep = LossSettings(skip_zero_advantage=False)  # a G = 1 group has zero advantage: it would not be run at all
+    trainer = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD, shared_prompt=True, loss=keep)
 
     trainer.micro_step(_groups(1, 1, 40, seed=1))  # G = 1: the shared row is the unshared row, nothing to save
     assert log.calls[-1][1:] == (False, 1)  # 2-D mask, one row: the unshared layout
@@ -115,7 +116,7 @@ def test_shared_fallback_counter(models):
     assert figures["train/shared_fallbacks"] == 0.0 and figures["train/micro_batches"] == 2.0
 
     # with sharing switched off nothing is a fallback
-    off = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD, shared_prompt=False)
+    off = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD, shared_prompt=False, loss=keep)
     off.micro_step(_groups(1, 1, 40, seed=1))
     off.micro_step(_groups(1, 8, 64, seed=2))
     assert log.calls[-1][1:] == (False, 8)
