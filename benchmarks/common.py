@@ -113,14 +113,14 @@ def side_by_side_trainers(lake, run_id: str, variants: dict[str, Callable]) -> d
     those of the batch it times), and torch gets the train task's thread count. Returns {name: (cfg, trainer)}."""
     import torch
 
-    from configs.schema import Config
+    from configs.schema import frozen_config
     from models.tiny import load_hf
     from storage import checkpoints
     from storage.lake import read_json
     from tasks.preflight import resolve_device
     from tasks.session import build_trainer
 
-    base = Config.model_validate(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
+    base = frozen_config(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
     torch.set_num_threads(base.resources.train_threads)
     trainers = {}
     with tempfile.TemporaryDirectory() as cache:

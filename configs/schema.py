@@ -6,6 +6,7 @@ A bad config fails at load, before any work, with the file, the field's dotted p
 
 from __future__ import annotations
 
+import copy
 import json
 import typing
 from pathlib import Path
@@ -559,6 +560,27 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, sou
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
+
+
+# Fields added after runs were frozen without them, each with the value that reproduces how such a run trained. A
+# frozen config.json holds every field of its day, so one that lacks a field is older than the field; its new default
+# would change a resumed or replayed run.
+FIELDS_ADDED: dict[tuple[str, str], Any] = {("train", "skip_zero_advantage"): False}
+
+
+def upgrade_frozen(data: dict) -> dict:
+    """A run's frozen config (its `config.json`) as this version reads it: each field of `FIELDS_ADDED` that it lacks
+    set to the value its run trained with, not today's default. A copy; `data` is left as it is."""
+    out = copy.deepcopy(data)
+    for (section, key), value in FIELDS_ADDED.items():
+        if isinstance(out.get(section), dict):
+            out[section].setdefault(key, value)
+    return out
+
+
+def frozen_config(data: dict) -> Config:
+    """The validated config of a run from its frozen `config.json` (`upgrade_frozen`)."""
+    return Config.model_validate(upgrade_frozen(data))
 
 
 def resolved_json(config: Config) -> str:

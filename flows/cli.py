@@ -221,12 +221,27 @@ def cmd_resume(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         _error(console, f"cannot resume {args.run_id!r} from lake {args.lake}: {e}")
         return 2
+    frozen = _upgraded(frozen)
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
         f.write(frozen)  # JSON is YAML: the frozen config loads through the same validation
     try:
         return _run_flow(console, f.name, [f"lake.uri={args.lake}"], resume=True, source=path)
     finally:
         os.unlink(f.name)
+
+
+def _upgraded(frozen: bytes) -> bytes:
+    """A frozen config.json with the fields added since its run started set as that run trained
+    (`configs.schema.upgrade_frozen`); bytes that are not a JSON object are left to the config loader's errors."""
+    import json
+
+    from configs.schema import upgrade_frozen
+
+    try:
+        data = json.loads(frozen)
+    except ValueError:
+        return frozen
+    return json.dumps(upgrade_frozen(data), indent=2).encode() if isinstance(data, dict) else frozen
 
 
 def _lake(uri: str):
@@ -491,7 +506,7 @@ def cmd_report(args) -> int:
     from mlflow.tracking import MlflowClient
     from pydantic import ValidationError
 
-    from configs.schema import Config
+    from configs.schema import frozen_config
     from flows.report import render, run_metrics
     from storage.lake import read_json
 
@@ -499,7 +514,7 @@ def cmd_report(args) -> int:
     try:
         config_path = _run_config_path(lake, args.run_id)
         try:
-            cfg = Config.model_validate(read_json(lake, config_path))
+            cfg = frozen_config(read_json(lake, config_path))
         except (ValueError, ValidationError) as e:  # not JSON, or not a config
             raise ValueError(f"{config_path} is not a valid run config: {e}") from None
         if not cfg.tracking.enabled:

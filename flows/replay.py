@@ -10,7 +10,7 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from configs.schema import Config
+from configs.schema import Config, frozen_config
 from models.trainer import RolloutGroup
 from storage import checkpoints, lease, ledger
 from storage.lake import Lake, atomic_write_bytes, read_json
@@ -80,7 +80,7 @@ def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]
 
     from models.tiny import load_hf
 
-    cfg = Config.model_validate(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
+    cfg = frozen_config(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
     torch.set_num_threads(cfg.resources.train_threads)
     v0 = lake.checkpoint_dir(run_id, 0)
     model, tokenizer = load_hf(checkpoints.local_copy(lake, v0, "/tmp"))

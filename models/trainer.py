@@ -166,7 +166,7 @@ class PolicyTrainer:
         if not self.loss.skip_zero_advantage or self.loss.kl_coef > 0:
             return False
         r = torch.tensor(group.rewards, dtype=torch.float32)  # the advantage estimators' equality test, in fp32
-        return bool((r == r[0]).all())
+        return bool(torch.isfinite(r).all() and (r == r[0]).all())  # a non-finite reward is refused when run
 
     def _count_skipped(self, groups: list[RolloutGroup]) -> None:
         """What skipped groups add to the batch: their share of the loss normaliser (tokens or sequences, as the
@@ -342,8 +342,11 @@ class PolicyTrainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params and self._sums["train/skipped_groups"]:
             # every group of the batch was skipped: its gradient is exactly 0, on which AdamW still steps (its moments
-            # move the weights), as it would have after the backward passes that were skipped
-            params = [p for p in self.model.parameters() if p.requires_grad]
+            # move the weights), as it would have after the backward passes that were skipped. Those would have given
+            # a gradient to the parameters the forward pass uses: the ones AdamW has stepped before (a parameter no
+            # pass ever used has no state and stays untouched), or all the trainable ones at the first step
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            params = [p for p in trainable if p in self.optimizer.state] or trainable
             for p in params:
                 p.grad = torch.zeros_like(p)
         for p in params:
@@ -360,14 +363,9 @@ class PolicyTrainer:
             self.prox_version = self._batch_version
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tok = max(self._tokens, 1.0)
+        tok = self._tokens
         figures = {
             "loss/policy": self._sums["loss_numerator"] * scale,
-            "entropy/mean": self._sums["entropy/mean"] / tok,
-            "mismatch/logp_abs": self._sums["mismatch/logp_abs"] / tok,
-            "clip/fraction": self._sums["clip/fraction"] / tok,
-            "clip/low_fraction": self._sums["clip/low_fraction"] / tok,
-            "clip/high_fraction": self._sums["clip/high_fraction"] / tok,
             "grad/norm": float(grad_norm),
             "train/lr": float(self.optimizer.param_groups[0]["lr"]),
             "train/tokens": self._tokens,
@@ -378,13 +376,22 @@ class PolicyTrainer:
             "train/micro_batches": self._sums["train/micro_batches"],
             "train/shared_fallbacks": self._sums["train/shared_fallbacks"],
         }
-        if self.loss.kl_coef > 0:
-            figures["kl/mean"] = self._sums["kl/mean"] / tok
         if self.loss.decoupled:
-            figures["is_weight/mean"] = self._sums["is_weight/mean"] / tok
-            figures["is_weight/max"] = self._maxes.get("is_weight/max", 1.0)
-            figures["is_weight/capped_fraction"] = self._sums["is_weight/capped_fraction"] / tok
             figures["time/prox_s"] = self._sums["time/prox_s"]
-            figures.update({k: v / tok for k, v in self._sums.items() if k.startswith("prox/")})
+        if tok > 0:  # figures of the tokens trained: none when every group was skipped (0 would read as a value)
+            token_keys = [
+                "entropy/mean",
+                "mismatch/logp_abs",
+                "clip/fraction",
+                "clip/low_fraction",
+                "clip/high_fraction",
+            ]
+            if self.loss.kl_coef > 0:
+                token_keys.append("kl/mean")
+            if self.loss.decoupled:
+                token_keys += ["is_weight/mean", "is_weight/capped_fraction"]
+                token_keys += [k for k in self._sums if k.startswith("prox/")]
+                figures["is_weight/max"] = self._maxes.get("is_weight/max", 1.0)
+            figures.update({k: self._sums[k] / tok for k in token_keys})
         self._reset_accumulators()
         return figures

@@ -263,18 +263,22 @@ class BatchSteps:
         self.steps.append(self.trainer.optimizer_step())
         if len(self.steps) == 1:
             return self.steps[0]
-        tokens = [f["train/tokens"] for f in self.steps]
         out = {}
-        for key in self.steps[0]:
-            values = [f[key] for f in self.steps]
+        for key in dict.fromkeys(k for f in self.steps for k in f):  # a step that trained no token lacks some figures
+            steps = [f for f in self.steps if key in f]
+            values = [f[key] for f in steps]
             if key in _SUMMED:
                 out[key] = sum(values)
             elif key == "is_weight/max":
                 out[key] = max(values)
             else:  # token-weighted, like the figures of one step
+                tokens = [f["train/tokens"] for f in steps]
                 out[key] = sum(v * t for v, t in zip(values, tokens)) / max(sum(tokens), 1.0)
-        # after the first step the policy has moved: logp - behaviour there is training, not engine mismatch
-        out["mismatch/logp_abs"] = self.steps[0]["mismatch/logp_abs"]
+        # after the first step the policy has moved: logp - behaviour there is training, not engine mismatch (none
+        # when the first step trained no token)
+        out.pop("mismatch/logp_abs", None)
+        if "mismatch/logp_abs" in self.steps[0]:
+            out["mismatch/logp_abs"] = self.steps[0]["mismatch/logp_abs"]
         out["train/optimizer_steps"] = float(len(self.steps))
         return out
 

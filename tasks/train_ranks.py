@@ -362,7 +362,7 @@ class DataParallelTrainer(PolicyTrainer):
 
     def micro_step(self, groups, version: int = 0, behavior_old: bool = False) -> dict[str, float]:
         """The micro-batch cut into one part per rank (`split_groups`): the other ranks' parts sent, rank 0's run
-        here while they run theirs. Returns the micro-batch's response tokens and samples."""
+        here while they run theirs. Returns the response tokens and samples run (not the skipped groups')."""
         if not groups:
             raise ValueError("micro_step needs at least one group")
         self._check_usable()
@@ -378,8 +378,11 @@ class DataParallelTrainer(PolicyTrainer):
         if parts[0] or idle:
             super().micro_step(parts[0] + idle, version, behavior_old)
             self.rank_micro_batches[0] += bool(parts[0])
-        tokens = sum(len(r) for g in groups for r in g.responses)
-        return {"tokens": float(tokens), "samples": sum(len(g.responses) for g in groups)}
+        run = [g for part in parts for g in part]  # as `PolicyTrainer.micro_step`: what was run, over every rank
+        return {
+            "tokens": float(sum(len(r) for g in run for r in g.responses)),
+            "samples": sum(len(g.responses) for g in run),
+        }
 
     def optimizer_step(self) -> dict[str, float]:
         """Every rank's accumulators and gradient summed onto rank 0, then `PolicyTrainer.optimizer_step`."""

@@ -103,8 +103,9 @@ def test_decoupled_recompute_sends_the_proximal_weights():
 def test_zero_advantage_groups_stay_on_rank_0_uncounted_in_the_split():
     """Groups with zero advantage are only counted (`train.skip_zero_advantage`): rank 0 keeps them, the split
     balances the others, a micro-batch of them alone reaches no other rank, and a batch of them alone still steps
-    (AdamW's moments) as one process does: weights within 1e-5 of one process."""
+    (AdamW's moments) as one process running every group does: weights within 1e-5 of it."""
     one, two = _pair(LossSettings())
+    one.loss = LossSettings(skip_zero_advantage=False)
     try:
         batches = [
             [[_flat(1), _group(2), _flat(3), _group(4)], [_flat(5), _flat(6)], [_group(7), _group(8)]],
@@ -115,14 +116,16 @@ def test_zero_advantage_groups_stay_on_rank_0_uncounted_in_the_split():
                 for t in (one, two):
                     t.micro_step(mb)
             if batch is batches[0]:
-                signal = [g for mb in batch for g in mb if not one.skips(g)]
+                signal = [g for mb in batch for g in mb if not two.skips(g)]
                 assert sum(two.rank_tokens) == sum(len(g.prompt_ids) + sum(map(len, g.responses)) for g in signal)
                 assert two.rank_micro_batches == [2, 2]  # the micro-batch of zero groups went nowhere
             else:
                 assert two.rank_micro_batches == [0, 0] and two.rank_tokens == [0, 0]
             a, b = one.optimizer_step(), two.optimizer_step()
-            assert b["train/skipped_groups"] == a["train/skipped_groups"] == (4.0 if batch is batches[0] else 3.0)
-            assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=1e-5, abs=1e-9)
+            assert a["train/skipped_groups"] == 0.0
+            assert b["train/skipped_groups"] == a["adv/zero_groups"] == (4.0 if batch is batches[0] else 3.0)
+            for key in ("loss/policy", "grad/norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-9), key
             diff = _max_diff(one.model, two.model)
             assert diff <= 1e-5, f"two ranks differ from one by {diff}"
     finally:

@@ -95,6 +95,7 @@ def test_skipping_gives_the_steps_of_running_every_group(loss_agg, shared_prompt
     assert _max_diff(skip.model, before_last) > 1e-4  # the all-zero batch stepped (momentum), as without skipping
     for a, b in zip(figures["skip"], figures["all"], strict=True):
         assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-5, abs=1e-9)
+        assert a["grad/norm"] == pytest.approx(b["grad/norm"], rel=1e-5, abs=1e-9)
         assert (a["adv/zero_groups"], a["train/samples"]) == (b["adv/zero_groups"], b["train/samples"])
         assert a["train/tokens"] + a["train/skipped_tokens"] == b["train/tokens"]
         assert b["train/skipped_groups"] == b["train/skipped_tokens"] == 0.0
@@ -102,6 +103,9 @@ def test_skipping_gives_the_steps_of_running_every_group(loss_agg, shared_prompt
     assert [f["adv/zero_groups"] for f in figures["skip"]] == [3.0, 3.0, 3.0]
     assert [f["train/skipped_tokens"] for f in figures["skip"]] == [30.0, 25.0, 32.0]
     assert figures["skip"][2]["train/tokens"] == 0.0 and figures["skip"][2]["loss/policy"] == 0.0
+    # no token trained in the last batch: no entropy or mismatch figure (a 0 there would read as a collapse)
+    assert "entropy/mean" not in figures["skip"][2] and "mismatch/logp_abs" not in figures["skip"][2]
+    assert "entropy/mean" in figures["all"][2] and "entropy/mean" in figures["skip"][1]
     if not shared_prompt:  # one row per sample: the 5 groups with signal (20 samples) of 14 (53 samples)
         assert (rows_skip.rows, rows_all.rows) == (20, 53)
 
@@ -164,3 +168,68 @@ def test_decoupled_ppo_skips_too(prox):
     assert _max_diff(skip.model, run_all.model) < 1e-5
     if prox_rows:  # one row per sample: the two groups with signal, of four
         assert [r.rows for r in prox_rows] == [8, 16]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(loss=dict(dual_clip=3.0, clip_high=0.28), behavior_old=True, clipped=True),
+        dict(loss=dict(), behavior_old=True, clipped=True),  # a PPO mini-batch after the first: old = behaviour
+        dict(loss=dict(decoupled=True, prox_logp="loglinear", is_mode="mask", is_cap=1.5)),
+        dict(loss=dict(decoupled=True, prox_logp="loglinear", is_level="sequence")),
+        dict(loss=dict(decoupled=True, prox_logp="linear", is_level="geometric", dual_clip=3.0)),
+        dict(loss=dict(decoupled=True, prox_logp="metrics")),
+    ],
+    ids=["dual-clip", "behaviour-old", "is-mask", "is-sequence", "is-geometric", "metrics"],
+)
+def test_every_loss_variant_steps_alike(variant):
+    """The dual clip, PPO mini-batches on behaviour log-probs, the importance-weight mask and its sequence and
+    geometric levels, and metrics mode: the same loss, gradient norm (before clipping) and weights (1e-5) after two
+    steps on batches whose behaviour log-probs are off the policy, every group's token 3 versions behind."""
+    model = build_tiny_model(VOCAB, seed=0, **TINY)
+    kw = dict(lr=1e-2, grad_clip=1.0, shared_prompt=True)
+    skip = PolicyTrainer(model, None, loss=LossSettings(**variant["loss"]), **kw)
+    run_all = PolicyTrainer(
+        copy.deepcopy(model), None, loss=LossSettings(skip_zero_advantage=False, **variant["loss"]), **kw
+    )
+    for t in (skip, run_all):
+        if t.prox_model is not None:
+            t.prox_version = 3
+    behaviour_old = variant.get("behavior_old", False)
+    for step in range(2):
+        batch = [
+            [_stale(model, _group(10 * step + s, FLAT if s % 3 == 0 else None, version=1), 0.5, s) for s in range(3)]
+            for _ in range(2)
+        ]
+        a, b = (_train(t, [batch], version=4 + step, behavior_old=behaviour_old)[0] for t in (skip, run_all))
+        assert a["train/skipped_groups"] == 2.0 and b["train/skipped_groups"] == 0.0
+        for key in ("loss/policy", "grad/norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-9), key
+        assert _max_diff(skip.model, run_all.model) < 1e-5
+    assert b["grad/norm"] > 0
+    if variant.get("clipped"):  # the trust region acted on the tokens run
+        assert a["clip/fraction"] > 0 and b["clip/fraction"] > 0
+
+
+def test_a_non_finite_reward_is_refused_not_skipped():
+    """Rewards all inf are all equal, but the advantage estimators refuse them: the group is run, and refused."""
+    trainer = PolicyTrainer(build_tiny_model(VOCAB, seed=0, **TINY), None, lr=1e-2)
+    group = _group(1, (float("inf"),) * 4)
+    assert not trainer.skips(group)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        trainer.micro_step([group])
+
+
+def test_a_parameter_no_forward_uses_stays_untouched_by_a_skipped_batch():
+    """A trainable parameter the forward pass never uses has no gradient when the groups are run, so AdamW (with
+    weight decay) leaves it alone; a batch of skipped groups zero-fills only what AdamW has stepped before."""
+    model = build_tiny_model(VOCAB, seed=0, **TINY)
+    model.unused = torch.nn.Parameter(torch.ones(3))
+    kw = dict(lr=1e-2, grad_clip=1.0, weight_decay=0.1)
+    skip = PolicyTrainer(model, None, **kw)
+    run_all = PolicyTrainer(copy.deepcopy(model), None, loss=LossSettings(skip_zero_advantage=False), **kw)
+    for batch in ([[_group(1), _group(2, FLAT)]], [[_group(3, FLAT)]]):
+        for t in (skip, run_all):
+            _train(t, [batch])
+    assert torch.equal(skip.model.unused, torch.ones(3)) and torch.equal(run_all.model.unused, torch.ones(3))
+    assert _max_diff(skip.model, run_all.model) < 1e-5
