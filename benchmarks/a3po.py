@@ -190,7 +190,8 @@ def approximation_errors(histories: list[list[dict]]) -> dict:
     (the share of its own zeroed tokens the recomputed policy zeroes too). `no_clip` is the baseline without a trust
     region (pi_prox = pi_theta): its `grad_rel_err` is what an approximation's clip has to improve on."""
     h = [x for history in histories for x in history]
-    mean = lambda key: statistics.mean(x[key] for x in h)  # noqa: E731
+    # an iteration that trained no token (every group skipped for zero advantage) has no token figures
+    mean = lambda key: statistics.mean(x[key] for x in h if key in x)  # noqa: E731
     ratio = lambda a, b: a / b if b > 0 else None  # noqa: E731  (JSON null: undefined, e.g. no_clip precision)
     out = {
         "staleness_mean": mean("staleness/mean"),
@@ -230,7 +231,7 @@ def timing(tmp: str, stamp: str, total: int, args) -> None:
             )[args.warmup :]
         med = {
             prox: {
-                key: statistics.median(x[key] for x in h)
+                key: statistics.median(x[key] for x in h if key in x)  # is_weight/mean: only where tokens trained
                 for key in (
                     "time/prox_s",
                     "time/train_busy_s",

@@ -214,3 +214,21 @@ def test_a_token_beyond_the_staleness_bound_or_ahead_of_the_trainer_is_refused()
     with pytest.raises(ShardError, match=r"^s: tokens 0 versions behind the trainer's 5 \(bound 2\) or 1 ahead"):
         token_staleness("s", [group([[5, 6]])], 5, 2)
     assert token_staleness("s", [group([[5]])], 5, 0) == [0]  # periodic and sync: bound 0
+
+
+def test_a_first_mini_batch_with_nothing_to_learn_has_no_mismatch_figure(setup):
+    """Mini-batch 1 all zero advantage (skipped, `train.skip_zero_advantage`), mini-batch 2 not: the batch's token
+    figures are mini-batch 2's alone, and no `mismatch/logp_abs` is reported (after a step the policy has moved, so
+    logp - behaviour there is not the engine's mismatch); counts add up over both."""
+    model, groups = setup
+    flat = {pid: copy.copy(g) for pid, g in groups.items()}
+    for pid in PLAN[:4]:
+        flat[pid].rewards = [1.0] * 4
+    trainer = PolicyTrainer(copy.deepcopy(model), None, lr=3e-2, grad_clip=None)
+    steps = BatchSteps(trainer, _cfg(2), PLAN, version=0)
+    steps.add(list(flat.values()))
+    figures = steps.finish()
+    assert "mismatch/logp_abs" not in steps.steps[0] and "mismatch/logp_abs" not in figures
+    assert figures["entropy/mean"] == steps.steps[1]["entropy/mean"] > 0
+    assert figures["train/skipped_groups"] == 4.0 and figures["train/samples"] == 32.0
+    assert figures["train/optimizer_steps"] == 2.0 and figures["train/tokens"] == steps.steps[1]["train/tokens"]
