@@ -168,6 +168,14 @@ class PolicyTrainer:
         r = torch.tensor(group.rewards, dtype=torch.float32)  # the advantage estimators' equality test, in fp32
         return bool(torch.isfinite(r).all() and (r == r[0]).all())  # a non-finite reward is refused when run
 
+    def partition(self, groups: list[RolloutGroup]) -> tuple[list[RolloutGroup], list[RolloutGroup]]:
+        """`groups` as (to run, to skip) by `skips`, each in order."""
+        run: list[RolloutGroup] = []
+        skipped: list[RolloutGroup] = []
+        for g in groups:
+            (skipped if self.skips(g) else run).append(g)
+        return run, skipped
+
     def _count_skipped(self, groups: list[RolloutGroup]) -> None:
         """What skipped groups add to the batch: their share of the loss normaliser (tokens or sequences, as the
         forward pass would have counted them: their response masks) and the counts; 0 to the numerator."""
@@ -201,10 +209,9 @@ class PolicyTrainer:
             raise ValueError("micro_step needs at least one group")
         self.model.train()
         self._batch_version = version
-        skipped = [self.skips(g) for g in groups]
-        if any(skipped):
-            self._count_skipped([g for g, skip in zip(groups, skipped, strict=True) if skip])
-            groups = [g for g, skip in zip(groups, skipped, strict=True) if not skip]
+        groups, skipped = self.partition(groups)
+        if skipped:
+            self._count_skipped(skipped)
             if not groups:
                 return {"tokens": 0.0, "samples": 0}
         s = self.loss

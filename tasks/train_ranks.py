@@ -369,8 +369,8 @@ class DataParallelTrainer(PolicyTrainer):
         if self._needs_sync:
             self._sync()
         self._batch_version = version
-        idle = [g for g in groups if self.skips(g)]  # zero advantage: only counted, so rank 0 keeps them at no load
-        parts = split_groups([g for g in groups if not self.skips(g)], self.rank_tokens, self.shared_prompt)
+        run, idle = self.partition(groups)  # zero advantage: only counted, so rank 0 keeps them at no load
+        parts = split_groups(run, self.rank_tokens, self.shared_prompt)
         for rank in range(1, self.world):
             if parts[rank]:
                 self._send(rank, ("micro", parts[rank], version, behavior_old))
@@ -378,8 +378,7 @@ class DataParallelTrainer(PolicyTrainer):
         if parts[0] or idle:
             super().micro_step(parts[0] + idle, version, behavior_old)
             self.rank_micro_batches[0] += bool(parts[0])
-        run = [g for part in parts for g in part]  # as `PolicyTrainer.micro_step`: what was run, over every rank
-        return {
+        return {  # as `PolicyTrainer.micro_step`: what was run, over every rank
             "tokens": float(sum(len(r) for g in run for r in g.responses)),
             "samples": sum(len(g.responses) for g in run),
         }
