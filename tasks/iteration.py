@@ -271,9 +271,11 @@ class BatchSteps:
                 out[key] = sum(values)
             elif key == "is_weight/max":
                 out[key] = max(values)
-            else:  # token-weighted, like the figures of one step
+            else:  # token-weighted, like the figures of one step; evenly where no step trained a token (a batch
+                # of groups with zero advantage only: its train/lr is the rate it stepped at, not 0)
                 tokens = [f["train/tokens"] for f in steps]
-                out[key] = sum(v * t for v, t in zip(values, tokens)) / max(sum(tokens), 1.0)
+                weights = tokens if sum(tokens) > 0 else [1.0] * len(steps)
+                out[key] = sum(v * w for v, w in zip(values, weights)) / sum(weights)
         # after the first step the policy has moved: logp - behaviour there is training, not engine mismatch (none
         # when the first step trained no token)
         out.pop("mismatch/logp_abs", None)

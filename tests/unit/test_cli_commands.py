@@ -3,6 +3,7 @@ run, a bad run id or config, an unreachable Prefect API exit 2 with one `error:`
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -450,13 +451,19 @@ def test_output_cut_by_a_closed_pipe_ends_quietly(tmp_path):
     [
         ('{"run": {"run_id": "r1", "iterations": 0}}', "run.iterations: Input should be greater than or equal to 1"),
         ('{"run": ', "is not valid YAML"),
+        # JSON but no config: the loader's error, not a traceback of the upgrade of older frozen configs
+        ("[1, 2]", "the top level must be a mapping of sections, got list"),
+        ('"a config"', "the top level must be a mapping of sections, got str"),
+        ('{"run": {"run_id": "r1"}, "train": 5}', "train: Input should be a valid dictionary"),
     ],
+    ids=["invalid-field", "not-json", "list", "string", "section-not-a-mapping"],
 )
 def test_resume_of_a_bad_frozen_config_names_the_file_in_the_lake(lake_with_run, capsys, frozen, expected):
     config = lake_with_run / "runs" / "r1" / "config.json"
     config.write_text(frozen)
     assert cli.main(["resume", "r1", "--lake", str(lake_with_run)]) == 2
     err = cli_stderr(capsys)
+    assert "Traceback" not in err
     assert squash(f"{config}") in err and squash(expected) in err  # it named the temporary copy the CLI loads
     assert "/tmp" not in err.replace(str(lake_with_run), "")
 
@@ -467,13 +474,10 @@ def test_resume_of_an_invalid_run_id_is_one_error_line(lake_with_run, capsys):
     assert squash(f"error: cannot resume '../r1' from lake {lake_with_run}") in err and "Traceback" not in err
 
 
-def test_resume_runs_from_the_lake_it_is_given_whatever_its_model_path_now_is(lake_with_run, monkeypatch):
-    """A lake moved (or copied) since the run started: the frozen config names the old place, `--lake` the new one,
-    and resume must use the new one. Its v0 is in the lake, so a `model.path` removed since does not stop it."""
+def _resumed_config(lake: Path, monkeypatch):
+    """The config `lockstep resume r1 --lake LAKE` hands the train flow (the flow replaced by a recorder)."""
     import flows.train
 
-    frozen = load_config(None, ["run.run_id=r1", "lake.uri=/old/place", "model.path=/removed/model"])
-    (lake_with_run / "runs" / "r1" / "config.json").write_text(resolved_json(frozen))
     seen = {}
 
     def flow(config_path, overrides, resume):
@@ -488,8 +492,35 @@ def test_resume_runs_from_the_lake_it_is_given_whatever_its_model_path_now_is(la
         }
 
     monkeypatch.setattr(flows.train, "train_flow", flow)
-    assert cli.main(["resume", "r1", "--lake", str(lake_with_run)]) == 0
-    assert seen["resume"] and seen["cfg"].lake.uri == str(lake_with_run) and seen["cfg"].run.run_id == "r1"
+    assert cli.main(["resume", "r1", "--lake", str(lake)]) == 0
+    assert seen["resume"]
+    return seen["cfg"]
+
+
+def test_resume_runs_from_the_lake_it_is_given_whatever_its_model_path_now_is(lake_with_run, monkeypatch):
+    """A lake moved (or copied) since the run started: the frozen config names the old place, `--lake` the new one,
+    and resume must use the new one. Its v0 is in the lake, so a `model.path` removed since does not stop it."""
+    frozen = load_config(None, ["run.run_id=r1", "lake.uri=/old/place", "model.path=/removed/model"])
+    (lake_with_run / "runs" / "r1" / "config.json").write_text(resolved_json(frozen))
+    cfg = _resumed_config(lake_with_run, monkeypatch)
+    assert cfg.lake.uri == str(lake_with_run) and cfg.run.run_id == "r1"
+
+
+@pytest.mark.parametrize("frozen_value", [None, True, False], ids=["older-than-the-field", "true", "false"])
+def test_resume_reads_a_run_frozen_before_a_field_as_it_trained(lake_with_run, monkeypatch, frozen_value):
+    """Frozen before `train.skip_zero_advantage` existed (the field absent), the run ran every group and its resume
+    does too (false, not today's default true); a frozen value is kept either way, and config.json is left as it is."""
+    frozen = json.loads(resolved_json(load_config(None, ["run.run_id=r1"])))
+    if frozen_value is None:
+        del frozen["train"]["skip_zero_advantage"]
+    else:
+        frozen["train"]["skip_zero_advantage"] = frozen_value
+    path = lake_with_run / "runs" / "r1" / "config.json"
+    path.write_text(json.dumps(frozen))
+    cfg = _resumed_config(lake_with_run, monkeypatch)
+    assert cfg.train.skip_zero_advantage is (False if frozen_value is None else frozen_value)
+    assert cfg.train.micro_batch_tokens == frozen["train"]["micro_batch_tokens"]
+    assert json.loads(path.read_text()) == frozen
 
 
 def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):

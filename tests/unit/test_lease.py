@@ -3,6 +3,7 @@ after its TTL (object stores), and the refusal names the holder and what to do."
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -370,3 +372,168 @@ def test_runs_skips_the_lease_of_a_start_that_gave_up(tmp_path, capsys):
     with lease.acquire(lake, "gone", "train"):  # held: a start between its lease and its config
         assert cli.main(["runs", "--lake", str(tmp_path / "lake")]) == 0
         assert "gone" in capsys.readouterr().out
+
+
+def test_a_local_lock_held_by_a_holder_not_yet_named_is_refused_after_the_probe_retries(tmp_path, monkeypatch):
+    """A start between its flock and its write of LOCK holds the run: after `PROBE_RETRIES` tries (it is not a
+    `holder()` probe, which lets go at once) the second start is refused, and `holder()` reports it as held."""
+    lake = Lake(str(tmp_path / "lake"))
+    lease.acquire(lake, "r1", "train").release()  # LOCK exists, empty
+    fd = os.open(tmp_path / "lake/runs/r1/LOCK", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held, no holder written yet
+    sleeps = []
+    monkeypatch.setattr(lease.time, "sleep", sleeps.append)
+    try:
+        with pytest.raises(lease.RunInUseError, match=r"in use by another process \(its lease names no holder yet\)"):
+            lease.acquire(lake, "r1", "resume")
+        assert sleeps == [lease.PROBE_WAIT_S] * (lease.PROBE_RETRIES - 1)
+        assert os.pread(fd, 4096, 0) == b""  # the refused start wrote nothing
+        assert lease.holder(lake, "r1") == {}  # held, by nobody named yet: not free
+        # a holder that has named itself is refused at once, without the probe's retries
+        os.pwrite(fd, json.dumps({"host": "h1", "pid": 4242, "command": "train", "since": "s"}).encode(), 0)
+        sleeps.clear()
+        with pytest.raises(lease.RunInUseError, match=r"`lockstep train` \(pid 4242 on host h1"):
+            lease.acquire(lake, "r1", "resume")
+        assert sleeps == []
+    finally:
+        os.close(fd)
+    lease.acquire(lake, "r1", "resume").release()  # free once that holder is gone
+
+
+def test_a_lease_taken_over_the_name_of_a_killed_holder_names_the_new_holder(tmp_path):
+    """A SIGKILLed holder leaves its name in LOCK (no release ran); the next holder's name, shorter, must not be
+    read with the old one's tail: `holder()` and a refusal name the new holder."""
+    lake = Lake(str(tmp_path / "lake"))
+    (tmp_path / "lake/runs/r1").mkdir(parents=True)
+    killed = {"host": "a-much-longer-host-name-than-this-one", "pid": 1234567, "command": "replay", "since": "x" * 400}
+    (tmp_path / "lake/runs/r1/LOCK").write_text(json.dumps(killed))
+    with lease.acquire(lake, "r1", "resume"):
+        now = lease.holder(lake, "r1")
+        assert (now["pid"], now["command"], now["host"]) == (os.getpid(), "resume", socket.gethostname())
+        with pytest.raises(lease.RunInUseError, match=rf"`lockstep resume` \(pid {os.getpid()} on host "):
+            lease.acquire(lake, "r1", "train")
+
+
+def test_a_remote_lease_taken_over_by_another_lease_is_lost_to_it(monkeypatch):
+    """A holder that stalled past the TTL is taken over by a second `acquire` (found expired): the first one's next
+    renewal finds the second one's lease, marks itself lost and writes nothing; the second keeps the run."""
+    monkeypatch.setattr(lease, "SETTLE_S", 0.0)
+    monkeypatch.setattr(lease, "RENEW_S", 3600.0)  # the first holder's renewer waits: it is run by hand below
+    lake = memory_lake()
+    path = f"{lake.run_dir('r1')}/LEASE.json"
+    first = lease.acquire(lake, "r1", "train")
+    first._stop.set()
+    first._renewer.join()
+    first_holder = json.loads(lake.fs.cat_file(path))
+    with monkeypatch.context() as m:
+        m.setattr(lease, "_live", lambda current: False)  # the first holder is seen as stalled past the TTL
+        second = lease.acquire(lake, "r1", "resume")
+    second_holder = json.loads(lake.fs.cat_file(path))
+    assert second_holder["command"] == "resume" and second_holder["token"] != first_holder["token"]
+    monkeypatch.setattr(lease, "RENEW_S", 0.01)
+    first._stop.clear()
+    renewer = threading.Thread(target=first._renew, args=(first_holder,), daemon=True)
+    renewer.start()
+    renewer.join(timeout=10)
+    alive = renewer.is_alive()
+    first._stop.set()  # stops a renewer that did not notice the takeover
+    renewer.join()
+    assert not alive
+    assert first.lost is not None and first.lost["token"] == second_holder["token"]
+    with pytest.raises(lease.RunInUseError, match=r"this process lost the run's lease to `lockstep resume`"):
+        first.check()
+    second.check()
+    assert json.loads(lake.fs.cat_file(path))["token"] == second_holder["token"]  # not overwritten by the first
+    first.release()
+    assert json.loads(lake.fs.cat_file(path))["token"] == second_holder["token"]  # nor removed
+    second.release()
+    assert not lake.fs.exists(path)
+
+
+def test_a_renewal_that_fails_is_tried_again(monkeypatch, caplog):
+    """A store that fails for a while (an OSError of the connection) does not end the renewals: the next one
+    renews the lease, so it is not left to lapse while the run goes on."""
+    monkeypatch.setattr(lease, "SETTLE_S", 0.0)
+    monkeypatch.setattr(lease, "RENEW_S", 0.02)
+    lake = memory_lake()
+    path = f"{lake.run_dir('r1')}/LEASE.json"
+    fs = lake.store
+    write = fs.pipe_file
+    failures = []
+    held_box: list = []  # the lease once acquired: only its renewals fail
+
+    def flaky(p, data, **kw):
+        if p.endswith("LEASE.json") and held_box and len(failures) < 2:
+            failures.append(p)
+            raise OSError("503 Service Unavailable")
+        return write(p, data, **kw)
+
+    monkeypatch.setattr(fs, "pipe_file", flaky)
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        held = lease.acquire(lake, "r1", "train")
+        held_box.append(held)  # from here on the store fails twice
+        first = json.loads(lake.fs.cat_file(path))["renewed"]
+        deadline = time.monotonic() + 10
+        while json.loads(lake.fs.cat_file(path))["renewed"] == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        renewed = json.loads(lake.fs.cat_file(path))["renewed"]
+        alive = held._renewer.is_alive()
+        held.release()
+    assert len(failures) == 2 and alive and renewed > first
+    assert "run r1: lease renewal failed (503 Service Unavailable); retrying in 0 s" in caplog.text
+    assert held.lost is None
+
+
+def test_a_holder_of_this_machine_run_by_another_user_is_alive(monkeypatch):
+    """A pid of this machine's process table that signal 0 may not reach (EPERM: another user's process) is a live
+    holder: its lease is not taken over."""
+    monkeypatch.setattr(lease, "SETTLE_S", 0.0)
+    lake = memory_lake()
+    write_lease(lake, "r1", host=socket.gethostname(), pid=4242, **lease._machine())
+    kill = os.kill
+
+    def kill_other_user(pid, sig):
+        if pid == 4242:
+            raise PermissionError(1, "Operation not permitted")
+        return kill(pid, sig)
+
+    monkeypatch.setattr(lease.os, "kill", kill_other_user)
+    assert lease.holder(lake, "r1")["pid"] == 4242
+    with pytest.raises(lease.RunInUseError, match=r"`lockstep train` \(pid 4242 on host "):
+        lease.acquire(lake, "r1", "resume")
+
+
+@pytest.mark.parametrize("content", [b"[]", b'"text"', b"42", b"null"])
+def test_a_remote_lease_that_is_json_but_no_object_names_no_holder(monkeypatch, content):
+    """LEASE.json edited or damaged into JSON that is no object: it names no holder and nothing renews it, like a
+    cut-short one; the run is free and can be taken."""
+    monkeypatch.setattr(lease, "SETTLE_S", 0.0)
+    lake = memory_lake()
+    lake.fs.pipe_file(f"{lake.run_dir('r1')}/LEASE.json", content)
+    assert lease.holder(lake, "r1") is None
+    with lease.acquire(lake, "r1", "resume"):
+        assert lease.holder(lake, "r1")["pid"] == os.getpid()
+
+
+def test_the_lease_file_of_a_remote_run_is_no_entry_of_it():
+    """`other_entries` (what `lockstep runs` and `replay --to` judge a run folder by) leaves out LEASE.json, as it
+    does LOCK: a remote folder a start left with only its lease (killed before it wrote the config) is no run."""
+    lake = memory_lake()
+    write_lease(lake, "gone", renewed=time.time() - lease.TTL_S - 1)  # a holder killed before its config
+    assert lease.other_entries(lake, "gone") == []
+    lake.fs.pipe_file(f"{lake.run_dir('gone')}/config.json", b"{}")
+    assert lease.other_entries(lake, "gone") == ["config.json"]
+
+
+def test_release_frees_a_local_run_while_a_copy_of_its_descriptor_is_still_open(tmp_path):
+    """A copy of the LOCK descriptor (a child forked while the lease was held and not yet exec'd or exited) shares
+    its flock: `release()` unlocks it at once rather than when the last copy closes."""
+    lake = Lake(str(tmp_path / "lake"))
+    held = lease.acquire(lake, "r1", "train")
+    copy = os.dup(held._fd)
+    try:
+        held.release()
+        assert lease.holder(lake, "r1") is None
+        lease.acquire(lake, "r1", "resume").release()
+    finally:
+        os.close(copy)

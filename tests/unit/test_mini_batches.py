@@ -216,19 +216,57 @@ def test_a_token_beyond_the_staleness_bound_or_ahead_of_the_trainer_is_refused()
     assert token_staleness("s", [group([[5]])], 5, 0) == [0]  # periodic and sync: bound 0
 
 
+def _with_flat_rewards(model, groups: dict[int, RolloutGroup], flat: list[int]) -> BatchSteps:
+    """Two mini-batches of the batch, the groups of `flat` given all-equal rewards (zero advantage: skipped), every
+    group added."""
+    groups = {pid: copy.copy(g) for pid, g in groups.items()}
+    for pid in flat:
+        groups[pid].rewards = [1.0] * 4
+    steps = BatchSteps(PolicyTrainer(copy.deepcopy(model), None, lr=3e-2, grad_clip=None), _cfg(2), PLAN, version=0)
+    steps.add(list(groups.values()))
+    return steps
+
+
 def test_a_first_mini_batch_with_nothing_to_learn_has_no_mismatch_figure(setup):
     """Mini-batch 1 all zero advantage (skipped, `train.skip_zero_advantage`), mini-batch 2 not: the batch's token
     figures are mini-batch 2's alone, and no `mismatch/logp_abs` is reported (after a step the policy has moved, so
     logp - behaviour there is not the engine's mismatch); counts add up over both."""
     model, groups = setup
-    flat = {pid: copy.copy(g) for pid, g in groups.items()}
-    for pid in PLAN[:4]:
-        flat[pid].rewards = [1.0] * 4
-    trainer = PolicyTrainer(copy.deepcopy(model), None, lr=3e-2, grad_clip=None)
-    steps = BatchSteps(trainer, _cfg(2), PLAN, version=0)
-    steps.add(list(flat.values()))
+    steps = _with_flat_rewards(model, groups, PLAN[:4])
     figures = steps.finish()
     assert "mismatch/logp_abs" not in steps.steps[0] and "mismatch/logp_abs" not in figures
     assert figures["entropy/mean"] == steps.steps[1]["entropy/mean"] > 0
     assert figures["train/skipped_groups"] == 4.0 and figures["train/samples"] == 32.0
     assert figures["train/optimizer_steps"] == 2.0 and figures["train/tokens"] == steps.steps[1]["train/tokens"]
+
+
+def test_mini_batches_add_up_the_skipped_counts(setup):
+    """Zero-advantage groups in both mini-batches, each with tokens trained too: the batch's skipped groups, skipped
+    tokens and zero-advantage groups are the sums of its steps' (not token-weighted means), and the skipped tokens
+    are those groups' response tokens."""
+    model, groups = setup
+    flat = [PLAN[0], PLAN[1], PLAN[5]]  # two in mini-batch 1, one in mini-batch 2
+    steps = _with_flat_rewards(model, groups, flat)
+    figures = steps.finish()
+    tokens = {pid: float(sum(len(r) for r in groups[pid].responses)) for pid in PLAN}
+    assert [(f["train/skipped_groups"], f["adv/zero_groups"]) for f in steps.steps] == [(2.0, 2.0), (1.0, 1.0)]
+    assert [f["train/skipped_tokens"] for f in steps.steps] == [tokens[PLAN[0]] + tokens[PLAN[1]], tokens[PLAN[5]]]
+    assert all(f["train/tokens"] > 0 for f in steps.steps)
+    assert (figures["train/skipped_groups"], figures["adv/zero_groups"]) == (3.0, 3.0)
+    assert figures["train/skipped_tokens"] == sum(tokens[pid] for pid in flat)
+    assert figures["train/tokens"] + figures["train/skipped_tokens"] == sum(tokens.values())
+
+
+def test_a_batch_of_mini_batches_with_nothing_to_learn_reports_its_counts_and_rate(setup):
+    """Every group zero advantage: neither step trains a token; the batch still finishes with its counts, no token
+    figure that would read as a value (entropy, mismatch), and the averaged figures are the steps' plain mean, not
+    weighted by 0 tokens: train/lr is the rate the steps took (it read 0.0)."""
+    model, groups = setup
+    steps = _with_flat_rewards(model, groups, PLAN)
+    figures = steps.finish()
+    assert figures["train/tokens"] == 0.0
+    assert figures["train/skipped_tokens"] == float(sum(len(r) for g in groups.values() for r in g.responses))
+    assert figures["train/skipped_groups"] == 8.0 and figures["train/samples"] == 32.0
+    assert figures["train/optimizer_steps"] == 2.0 and figures["loss/policy"] == 0.0 == figures["grad/norm"]
+    assert [f["train/lr"] for f in steps.steps] == [3e-2, 3e-2] and figures["train/lr"] == pytest.approx(3e-2)
+    assert "entropy/mean" not in figures and "mismatch/logp_abs" not in figures

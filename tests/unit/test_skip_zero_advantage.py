@@ -233,3 +233,41 @@ def test_a_parameter_no_forward_uses_stays_untouched_by_a_skipped_batch():
             _train(t, [batch])
     assert torch.equal(skip.model.unused, torch.ones(3)) and torch.equal(run_all.model.unused, torch.ones(3))
     assert _max_diff(skip.model, run_all.model) < 1e-5
+
+
+def test_a_first_batch_with_nothing_to_learn_steps_as_running_it_would():
+    """The run's first batch all zero advantage: no parameter has optimizer state yet, so every trainable one gets
+    the zero gradient AdamW steps on (its step count, weight decay), as the backward passes would have given; the
+    later batches then step as without skipping."""
+    model = build_tiny_model(VOCAB, seed=0, **TINY)
+    kw = dict(lr=1e-2, grad_clip=1.0, weight_decay=0.1)
+    skip = PolicyTrainer(model, None, **kw)
+    run_all = PolicyTrainer(copy.deepcopy(model), None, loss=LossSettings(skip_zero_advantage=False), **kw)
+    rows = RowCount(skip.model)
+    batches = [[[_group(1, FLAT), _group(2, (0.0,) * 4)]], [[_group(3), _group(4)]], [[_group(5)]]]
+    first = [_train(t, batches[:1])[0] for t in (skip, run_all)]
+    assert rows.rows == 0 and first[0]["train/skipped_groups"] == 2.0
+    assert _max_diff(skip.model, run_all.model) < 1e-6
+    for t in (skip, run_all):
+        _train(t, batches[1:])
+    steps = [[float(s["step"]) for s in t.optimizer.state.values()] for t in (skip, run_all)]
+    assert steps[0] == steps[1] and set(steps[0]) == {3.0}
+    assert _max_diff(skip.model, run_all.model) < 1e-5
+
+
+def test_the_equality_test_is_the_advantage_estimators_fp32_one():
+    """Rewards equal in fp32 (1 and 1 + 1e-9) have zero advantage: skipped and counted. Rewards fp32 tells apart
+    (1 and 1 + 1e-6: std ~5e-7 against eps 1e-6) have a small non-zero advantage: run, and trained on as without
+    skipping (an fp16 test would skip them and lose their gradient; an fp64 one would run the equal ones)."""
+    model = build_tiny_model(VOCAB, seed=0, **TINY)
+    skip = PolicyTrainer(model, None, lr=1e-2, grad_clip=1.0)
+    run_all = PolicyTrainer(
+        copy.deepcopy(model), None, lr=1e-2, grad_clip=1.0, loss=LossSettings(skip_zero_advantage=False)
+    )
+    same = _group(1, (1.0, 1.0 + 1e-9, 1.0, 1.0 + 1e-9))
+    apart = _group(2, (1.0, 1.0 + 1e-6, 1.0, 1.0 + 1e-6))
+    assert skip.skips(same) and not skip.skips(apart)
+    a, b = (_train(t, [[[same, apart]]])[0] for t in (skip, run_all))
+    assert a["train/skipped_groups"] == 1.0 and a["adv/zero_groups"] == b["adv/zero_groups"] == 1.0
+    assert b["grad/norm"] > 0 and a["grad/norm"] == pytest.approx(b["grad/norm"], rel=1e-5)
+    assert _max_diff(skip.model, run_all.model) < 1e-5
