@@ -72,9 +72,9 @@ def signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, b
 def _replica(spec: RankSpec, device: torch.device) -> torch.nn.Module:
     model = spec.model_class(spec.model_config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.data = p.data.to(spec.dtypes[name])
-            p.requires_grad_(spec.trainable[name])
+        for name, p in model.named_parameters():  # one rank 0 lacks is left as built: the signatures then differ
+            p.data = p.data.to(spec.dtypes.get(name, p.dtype))
+            p.requires_grad_(spec.trainable.get(name, p.requires_grad))
     model.set_attn_implementation(spec.attn_implementation)
     return model.to(device)
 
@@ -144,12 +144,16 @@ def _serve(trainer: PolicyTrainer, conn) -> None:
             broadcast_weights(modules)
         elif cmd[0] == "collect":
             conn.send(("collected", error, trainer.accumulators()))
-            if conn.recv()[0] == "reduce":
+            verdict = conn.recv()[0]
+            if verdict == "reduce":
                 sum_gradients(trainer.model)
-            else:  # discard: the batch failed somewhere
+            else:  # discard: the batch failed somewhere (or close: rank 0 stops after a failure)
                 trainer.optimizer.zero_grad(set_to_none=True)
             trainer._reset_accumulators()
             error = None
+            if verdict == "close":
+                dist.destroy_process_group()
+                return
 
 
 def split_groups(groups: list, loads: list[int], shared: bool) -> list[list]:
@@ -259,7 +263,7 @@ class DataParallelTrainer(PolicyTrainer):
                     )
             self._rendezvous(BACKENDS[device_type])
         except BaseException:
-            self._stop_ranks()
+            self._stop_ranks(wait_s=0.0)  # building or in the rendezvous, a rank reads no `close`: killed at once
             raise
         self._synced_ref = False
         self._needs_sync = True  # rank 0's weights may change between batches (restore, bootstrap): sent per batch
@@ -427,14 +431,16 @@ class DataParallelTrainer(PolicyTrainer):
                     raise self._died(rank, f" during {what}: {(str(e) or type(e).__name__).splitlines()[0]}") from e
             raise
 
-    def _stop_ranks(self) -> None:
+    def _stop_ranks(self, wait_s: float = 10.0) -> None:
+        """Ask every rank to close, give them `wait_s` in all to leave the process group, then kill what is left."""
         for conn in self._conns:
             try:
                 conn.send(("close",))
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 pass
+        deadline = time.monotonic() + wait_s
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=10)
