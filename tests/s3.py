@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -51,6 +52,9 @@ def s3_store() -> Iterator[str]:
             for k in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
                 mp.setenv(k, os.devnull)
             forget_s3_clients()
+            # moto keeps its buckets in the process, not in the server: a second store in one process (pytest-xdist
+            # can set a module's fixture up twice in a worker) would find the first one's bucket and its objects
+            urllib.request.urlopen(urllib.request.Request(f"{env['AWS_ENDPOINT_URL']}/moto-api/reset", method="POST"))
             import fsspec
 
             fsspec.filesystem("s3").mkdir(BUCKET)
