@@ -185,7 +185,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
         # unwound and cleaned up
         progress.stop()
         run_id = progress.run_id or cfg.run.run_id
-        if run_id is None:  # stopped before the run was created: nothing to resume
+        if run_id is None or not _run_created(cfg.lake.uri, run_id):  # stopped before its config.json was written
             console.print("interrupted before the run started")
         else:
             console.print(
@@ -251,6 +251,18 @@ def _lake(uri: str):
     lake = Lake(uri)
     lake.check_reachable()
     return lake
+
+
+def _run_created(lake_uri: str, run_id: str) -> bool:
+    """Whether run `run_id` has its config.json in the lake, so that `lockstep resume` can continue it; True when the
+    lake cannot be asked (the resume hint is then the better guess)."""
+    from storage.lake import Lake
+
+    try:
+        lake = Lake(lake_uri)
+        return lake.fs.exists(f"{lake.run_dir(run_id)}/config.json")
+    except Exception:  # an unreachable store, an id the lake refuses: the stop's message must still be printed
+        return True
 
 
 def _run_config_path(lake, run_id: str) -> str:

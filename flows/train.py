@@ -35,7 +35,7 @@ from tasks.iteration import (
     serve_task,
     train_task,
 )
-from tasks.session import RunSession, open_session, unregister
+from tasks.session import RunSession, default_run_id, open_session, unregister
 
 
 def _batch_task_run_records() -> None:
@@ -187,6 +187,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         resume = True
     t_start = time.perf_counter()
     _lower_api_server_priority(cfg.resources.api_server_nice)
+    cfg.run.run_id = default_run_id(cfg)  # made up here when not given, so that a stop in the bootstrap can name it
     progress_hook({"event": "setup", "run_id": cfg.run.run_id})
     s = open_session(
         cfg,
