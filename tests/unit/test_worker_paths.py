@@ -35,7 +35,7 @@ from tasks.workers import (
     _worker_main,
     remove_orphaned_weights,
 )
-from tests.unit.test_worker_protocol import RUN_SEED, worker  # noqa: F401 - the fixture
+from tests.unit.test_worker_protocol import RUN_SEED, Served, worker  # noqa: F401 - the fixture
 
 # ------------------------------------------------------------------------------------------------ a chunk's shard
 
@@ -184,38 +184,15 @@ def test_a_worker_uses_its_thread_budget(worker):  # noqa: F811
 # ------------------------------------------------------------------------------------------------ serve
 
 
-class Serving:
-    """`serve` on a thread with chunk generation recorded and checkpoint loads as no-ops; keeps its result."""
+class Serving(Served):
+    """`Served`, its log also saying whether the engine was given a poll, each shard named by its chunk."""
 
     def __init__(self, worker, monkeypatch, max_staleness: int, interrupt: bool = False, generate=None):  # noqa: F811
-        self.worker, self.log, self.work, self.results, self.result = worker, [], queue.Queue(), queue.Queue(), {}
-
-        def default(chunk, poll_update=None):
+        def logged(chunk, poll_update=None):
             self.log.append((chunk.iteration, worker.version, poll_update is not None))
             return {"gen_s": 0.0, "storage_s": 0.0, "path": f"p{chunk.index}"}
 
-        monkeypatch.setattr(worker, "generate_chunk", generate or default)
-        monkeypatch.setattr(checkpoints, "load_weights", lambda lake, source: None)
-        monkeypatch.setattr(checkpoints, "load_into", lambda model, state: None)
-
-        def run():
-            self.result.update(worker.serve(0, "c0", max_staleness, interrupt, self.work, self.results))
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def settle(self, n: int) -> list:
-        deadline = time.monotonic() + 30
-        while len(self.log) < n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)
-        return list(self.log)
-
-    def stop(self) -> dict:
-        self.worker.commands.put(("stop",))
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "serve did not stop"
-        return self.result
+        super().__init__(worker, monkeypatch, max_staleness, interrupt, generate or logged)
 
 
 def test_serving_skips_stop_markers_and_reports_each_shard(worker, monkeypatch):  # noqa: F811

@@ -74,22 +74,25 @@ def test_a_chunk_of_another_version_is_refused_and_publishes_nothing(worker):
 
 
 class Served:
-    """`serve` on a thread with chunk generation recorded as (batch, version held when it started) and checkpoint
-    loads as no-ops; the test drives it through the work and command queues."""
+    """`serve` on a thread with chunk generation recorded as (batch, version held when it started) (or by
+    `generate`) and checkpoint loads as no-ops; the test drives it through the work and command queues, and `stop`
+    returns what `serve` returned."""
 
-    def __init__(self, worker: _Worker, monkeypatch, max_staleness: int):
-        self.worker, self.log, self.work = worker, [], queue.Queue()
+    def __init__(self, worker: _Worker, monkeypatch, max_staleness: int, interrupt: bool = False, generate=None):
+        self.worker, self.log, self.work, self.results, self.result = worker, [], queue.Queue(), queue.Queue(), {}
 
-        def generate(chunk, poll_update=None):
+        def logged(chunk, poll_update=None):
             self.log.append((chunk.iteration, worker.version))
             return {"gen_s": 0.0, "storage_s": 0.0, "path": "unused"}
 
-        monkeypatch.setattr(worker, "generate_chunk", generate)
+        monkeypatch.setattr(worker, "generate_chunk", generate or logged)
         monkeypatch.setattr(checkpoints, "load_weights", lambda lake, source: None)
         monkeypatch.setattr(checkpoints, "load_into", lambda model, state: None)
-        self.thread = threading.Thread(
-            target=worker.serve, args=(0, "c0", max_staleness, False, self.work, queue.Queue()), daemon=True
-        )
+
+        def run():
+            self.result.update(worker.serve(0, "c0", max_staleness, interrupt, self.work, self.results))
+
+        self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
 
     def announce(self, version: int) -> None:
@@ -103,10 +106,11 @@ class Served:
         time.sleep(0.5)
         return list(self.log)
 
-    def stop(self) -> None:
+    def stop(self) -> dict:
         self.worker.commands.put(("stop",))
         self.thread.join(30)
         assert not self.thread.is_alive(), "serve did not stop"
+        return self.result
 
 
 def test_admission_control_holds_a_chunk_until_its_version_is_announced(worker, monkeypatch):
