@@ -7,6 +7,8 @@ original checkpoint of that version. With `to_run_id`, the replayed checkpoints 
 
 from __future__ import annotations
 
+import tempfile
+
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
@@ -83,7 +85,8 @@ def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]
     cfg = frozen_config(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
     torch.set_num_threads(cfg.resources.train_threads)
     v0 = lake.checkpoint_dir(run_id, 0)
-    model, tokenizer = load_hf(checkpoints.local_copy(lake, v0, "/tmp"))
+    with tempfile.TemporaryDirectory(prefix="lockstep-v0-") as copies:  # an object-store lake's v0, once loaded
+        model, tokenizer = load_hf(checkpoints.local_copy(lake, v0, copies))
     trainer = build_trainer(cfg, model, tokenizer, resolve_device(cfg.trainer.device))
     try:
         return _replay_versions(trainer, cfg, lake, run_id, tokenizer, to_run_id)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -64,6 +65,7 @@ class RunSession:
     lease: lease.RunLease | None = None  # this process writes the run; given back last, when the session closes
     saving: tuple[int, Future] | None = None  # the version whose checkpoint is being written in the background
     held: list = field(default_factory=list)  # background work held back until `release` (callables)
+    local_copies: str | None = None  # this session's local copy of an object-store lake's v0, removed at close
     rollouts: list[PrefectFuture] = field(default_factory=list)  # sync/periodic: the iteration's rollout tasks
     _unstarted_save: tuple | None = field(default=None, repr=False)  # (version, fn): a write not started yet
     _saver: ThreadPoolExecutor | None = field(default=None, repr=False)
@@ -124,6 +126,8 @@ class RunSession:
         finally:
             try:
                 with contextlib.ExitStack() as release:  # last in, first out; each runs even if one before fails
+                    if self.local_copies is not None:  # once no worker reads it
+                        release.callback(shutil.rmtree, self.local_copies, ignore_errors=True)
                     if self.weights is not None:
                         release.callback(self.weights.unlink)
                     release.callback(self.trainer.close)  # a data-parallel trainer's other ranks
@@ -505,16 +509,26 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
     torch.set_num_threads(os.cpu_count() or 1)  # no rollout worker runs yet: the bootstrap may use every core
     v0_dir, cached = bootstrap_v0(cfg, lake, on_progress)
     torch.set_num_threads(cfg.resources.train_threads)
-    local_v0 = checkpoints.local_copy(lake, v0_dir, tempfile.gettempdir())
-    model, tokenizer = load_hf(local_v0)
-    torch.manual_seed(cfg.run.seed)
-    version = checkpoints.promoted_version(lake, run_id)
-    trainer = build_trainer(cfg, model, tokenizer, device)
+    # an object-store lake's v0 is copied into a folder of this session's own (the workers build their engines
+    # from it), removed when the session closes: a shared cache would keep one copy per run forever
+    copies = None if lake.is_local else tempfile.mkdtemp(prefix="lockstep-v0-")
     try:
-        return _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached)
+        local_v0 = checkpoints.local_copy(lake, v0_dir, copies) if copies else v0_dir
+        model, tokenizer = load_hf(local_v0)
+        torch.manual_seed(cfg.run.seed)
+        version = checkpoints.promoted_version(lake, run_id)
+        trainer = build_trainer(cfg, model, tokenizer, device)
+        try:
+            session = _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached)
+        except BaseException:
+            trainer.close()  # a data-parallel trainer's other ranks
+            raise
     except BaseException:
-        trainer.close()  # a data-parallel trainer's other ranks
+        if copies:
+            shutil.rmtree(copies, ignore_errors=True)
         raise
+    session.local_copies = copies
+    return session
 
 
 def _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached) -> RunSession:

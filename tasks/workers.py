@@ -226,8 +226,10 @@ class _Worker:
                 if self.vllm is not None:
                     raise RuntimeError("shared-memory weights are for the builtin engine; vLLM loads checkpoints")
                 source.read_into(self.model)
-            elif self.vllm is not None:  # vLLM reads a local directory inside its own worker processes
-                self.vllm.load_checkpoint(checkpoints.local_copy(self.lake, source, tempfile.gettempdir()))
+            elif self.vllm is not None:  # vLLM reads a local directory inside its own worker processes; a copy of an
+                # object-store checkpoint lasts only for the load (kept, one would pile up per promoted version)
+                with tempfile.TemporaryDirectory(prefix="lockstep-load-") as copies:
+                    self.vllm.load_checkpoint(checkpoints.local_copy(self.lake, source, copies))
             else:
                 checkpoints.load_into(self.model, checkpoints.load_weights(self.lake, source))
             self.version = version

@@ -8,15 +8,19 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from configs.schema import ConfigError, load_config, resolved_json
 from flows import cli
+from storage import checkpoints
 from storage.checkpoints import CheckpointError
 from storage.datasets import DatasetError
+from storage.lake import Lake
 from tests.cli_output import cli_stderr, squash
 from tests.ports import free_port
 
@@ -74,6 +78,33 @@ def test_replay_flow_errors_exit_2(lake_with_run, capsys, monkeypatch):
     (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
     assert cli.main(["replay", "r1", "--lake", str(lake_with_run), "--to", "r1"]) == 2
     assert squash(f"error: cannot replay 'r1': run r1 already exists in {lake_with_run}") in cli_stderr(capsys)
+
+
+def test_replay_of_an_object_store_run_loads_v0_from_a_copy_it_removes(tiny_hf, tmp_path, monkeypatch):
+    """An object-store lake's v0 is copied to a temporary folder of the replay's own (not a fixed /tmp cache that
+    nothing cleans), and the copy is gone once the model is loaded."""
+    import flows.replay
+
+    lake = Lake(f"memory://lockstep-replay-{uuid.uuid4().hex}")
+    lake.fs.pipe(f"{lake.run_dir('r1')}/config.json", resolved_json(load_config(None, ["run.run_id=r1"])).encode())
+    checkpoints.save_checkpoint(lake, "r1", 0, tiny_hf.model, tiny_hf.tokenizer)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    real_copy, copies = checkpoints.local_copy, []
+
+    def local_copy(lake, path, cache_dir):
+        copies.append(real_copy(lake, path, cache_dir))
+        return copies[-1]
+
+    monkeypatch.setattr(checkpoints, "local_copy", local_copy)
+    try:
+        assert flows.replay._replay("r1", lake) == []  # no iteration in the ledger: v0 only
+    finally:
+        lake.fs.rm(lake.root, recursive=True)
+    [copy] = copies
+    assert os.path.dirname(os.path.dirname(copy)) == str(temp)
+    assert list(temp.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------------ audit

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
+import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +16,7 @@ import torch
 from configs.schema import load_config
 from models.tiny import build_char_tokenizer, build_tiny_model
 from models.trainer import LossSettings, PolicyTrainer
-from storage.checkpoints import save_checkpoint
+from storage.checkpoints import save_checkpoint, verify_checkpoint
 from storage.lake import Lake
 from tasks import session as session_module
 from tasks.preflight import InputError
@@ -173,6 +176,74 @@ def test_close_releases_the_trainer_weights_and_lease_when_the_workers_fail_to_c
     with pytest.raises(RuntimeError, match="worker would not exit"):
         s.close()
     assert released == ["trainer", "weights", "lease"]
+
+
+def test_close_removes_the_v0_copy_after_the_workers_have_ended(tmp_path):
+    copies = tmp_path / "lockstep-v0-x"
+    (copies / "v0").mkdir(parents=True)
+    s = session_module.RunSession(*(None,) * 11, version=0, device=None)
+    s.local_copies = str(copies)
+    seen: list[bool] = []
+    s.pool = SimpleNamespace(close=lambda: seen.append(copies.exists()))  # a worker may read it until it ends
+    s.trainer = SimpleNamespace(close=lambda: None)
+    s.close()
+    assert seen == [True]
+    assert not copies.exists()
+
+
+@pytest.fixture
+def object_store_run(tmp_path, monkeypatch):
+    """The config of a run on a memory:// lake (an object store), the temporary folder moved to `tmp_path / "temp"`,
+    and the `WorkerSpec`s the session hands its pool."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    specs = []
+    real_pool = session_module.WorkerPool
+
+    def pool(n, spec, **kw):
+        specs.append(spec)
+        return real_pool(n, spec, **kw)
+
+    monkeypatch.setattr(session_module, "WorkerPool", pool)
+    uri = f"memory://lockstep-session-{uuid.uuid4().hex}"
+    cfg = load_config(
+        None,
+        [f"lake.uri={uri}", "tracking.enabled=false", "run.run_id=obj", "bootstrap.steps=0", *SMALL],
+    )
+    yield cfg, temp, specs
+    lake = Lake(uri)
+    if lake.fs.exists(lake.root):
+        lake.fs.rm(lake.root, recursive=True)
+
+
+def test_a_session_on_an_object_store_keeps_its_v0_copy_only_while_it_is_open(object_store_run):
+    """The workers build their engines from a local copy of v0: it is the session's own, and goes when it closes
+    (in a cache shared by every run, one copy of each run's v0 stayed in the temporary folder forever)."""
+    cfg, temp, specs = object_store_run
+    s = session_module.open_session(cfg)
+    try:
+        [spec] = specs
+        assert os.path.dirname(s.local_copies) == str(temp)
+        assert os.path.dirname(spec.model_dir) == s.local_copies
+        verify_checkpoint(Lake(s.local_copies), spec.model_dir)
+        assert "model.safetensors" in os.listdir(spec.model_dir)
+    finally:
+        s.close()
+        session_module.unregister(s.run_id)
+    assert list(temp.iterdir()) == []
+
+
+def test_a_session_that_fails_to_open_leaves_no_v0_copy(object_store_run, monkeypatch):
+    cfg, temp, specs = object_store_run
+
+    def fail(*args):
+        raise OSError("no space left for the shared-memory weights")
+
+    monkeypatch.setattr(session_module, "_open_with_trainer", fail)
+    with pytest.raises(OSError, match="no space left"):
+        session_module.open_session(cfg)
+    assert list(temp.iterdir()) == []
 
 
 def test_resume_of_a_run_that_does_not_exist_is_refused(tmp_path):

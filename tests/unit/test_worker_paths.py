@@ -13,8 +13,10 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from dataclasses import replace
 
 import pytest
@@ -24,6 +26,7 @@ import tasks.workers
 from models.engine import Sample, sample_seed
 from models.rewards import score
 from storage import checkpoints
+from storage.lake import Lake
 from storage.shards import ROLLOUT_SCHEMA, read_shard, table_to_records
 from tasks.workers import (
     _STOP,
@@ -595,6 +598,81 @@ def test_a_worker_loads_a_version_from_shared_weights(worker, tmp_path):  # noqa
             assert torch.equal(a, b), n
     finally:
         shared.unlink()
+
+
+class _VLLMLoads:
+    """The vLLM engine's `load_checkpoint` as the worker calls it: what the folder it is given holds at that moment,
+    checked against the manifest, and the weights read from it (or the failure of a load)."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.seen = fail, []
+
+    def load_checkpoint(self, model_dir: str) -> None:
+        folder = Lake(os.path.dirname(model_dir))
+        checkpoints.verify_checkpoint(folder, model_dir)
+        self.seen.append((model_dir, sorted(os.listdir(model_dir)), checkpoints.load_weights(folder, model_dir)))
+        if self.fail:
+            raise RuntimeError("CUDA out of memory")
+
+
+@pytest.fixture
+def object_store_checkpoint(worker, tmp_path, monkeypatch):  # noqa: F811
+    """Checkpoint v1 of the worker's run in a memory:// lake (an object store: not a local folder), with weights
+    unlike the v0 the worker holds, and the temporary folder moved to `tmp_path / "temp"`."""
+    lake = Lake(f"memory://lockstep-vllm-{uuid.uuid4().hex}")
+    with torch.no_grad():
+        for p in worker.model.parameters():
+            p.add_(0.25)
+    path = checkpoints.save_checkpoint(lake, "w", 1, worker.model, worker.tokenizer)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    yield lake, path, temp
+    lake.fs.rm(lake.root, recursive=True)
+
+
+def test_a_vllm_worker_loads_an_object_store_version_from_a_copy_removed_after_the_load(
+    worker,  # noqa: F811
+    object_store_checkpoint,
+):
+    """vLLM reads a local folder: the checkpoint is copied for the load, checked, and removed once loaded (kept in a
+    shared cache, one model copy per promoted version piled up in the temporary folder over a run)."""
+    lake, path, temp = object_store_checkpoint
+    engine = _VLLMLoads()
+    worker.lake, worker.vllm, worker.version = lake, engine, 0
+    worker.load(1, path)
+    assert worker.version == 1
+    [(model_dir, files, weights)] = engine.seen
+    assert os.path.dirname(os.path.dirname(model_dir)) == str(temp)
+    assert {"MANIFEST.json", "config.json", "model.safetensors"} <= set(files)
+    assert "trainer_state" not in files
+    state = worker.model.state_dict()  # v1's weights (v0 + 0.25)
+    assert weights and all(torch.equal(w, state[name]) for name, w in weights.items())
+    assert list(temp.iterdir()) == []
+    worker.load(1, path)  # the version held: nothing is copied again
+    assert len(engine.seen) == 1
+
+
+def test_a_failed_vllm_load_leaves_no_copy_and_the_version_unchanged(worker, object_store_checkpoint):  # noqa: F811
+    lake, path, temp = object_store_checkpoint
+    worker.lake, worker.vllm, worker.version = lake, _VLLMLoads(fail=True), 0
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        worker.load(1, path)
+    assert worker.version == 0
+    assert list(temp.iterdir()) == []
+
+
+def test_a_vllm_worker_loads_a_local_lakes_checkpoint_in_place(worker, tmp_path, monkeypatch):  # noqa: F811
+    lake = Lake(str(tmp_path / "lake"))
+    path = checkpoints.save_checkpoint(lake, "w", 1, worker.model, worker.tokenizer)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    engine = _VLLMLoads()
+    worker.lake, worker.vllm, worker.version = lake, engine, 0
+    worker.load(1, path)
+    assert [d for d, _, _ in engine.seen] == [path]
+    assert list(temp.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------------ shard schema
