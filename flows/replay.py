@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from configs.schema import Config, frozen_config
 from models.trainer import RolloutGroup
-from storage import checkpoints, lease, ledger
+from storage import checkpoints, lease, ledger, scratch
 from storage.lake import Lake, atomic_write_bytes, read_json
 from storage.shards import read_shard
 from tasks.iteration import BatchSteps, groups_of
@@ -85,7 +85,7 @@ def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]
     cfg = frozen_config(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
     torch.set_num_threads(cfg.resources.train_threads)
     v0 = lake.checkpoint_dir(run_id, 0)
-    with tempfile.TemporaryDirectory(prefix="lockstep-v0-") as copies:  # an object-store lake's v0, once loaded
+    with tempfile.TemporaryDirectory(prefix=scratch.prefix("v0")) as copies:  # an object-store lake's v0, once loaded
         model, tokenizer = load_hf(checkpoints.local_copy(lake, v0, copies))
     trainer = build_trainer(cfg, model, tokenizer, resolve_device(cfg.trainer.device))
     try:

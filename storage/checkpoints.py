@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from storage import faults
+from storage import faults, scratch
 from storage.lake import Lake, atomic_write_bytes, atomic_write_json, fsync_path, read_json
 
 WEIGHTS = "model.safetensors"
@@ -166,7 +166,7 @@ def save_model_dir(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
-    with tempfile.TemporaryDirectory(prefix="lockstep-ckpt-") as local:
+    with tempfile.TemporaryDirectory(prefix=scratch.prefix("ckpt")) as local:
         _write_model_dir(local, model, tokenizer, snap, extra_state)
         if fs.exists(final):
             if kept():

@@ -30,7 +30,7 @@ from models.bootstrap import greedy_answers, sft
 from models.rewards import score
 from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, load_hf, single_token_id
 from models.trainer import LossSettings, PolicyTrainer
-from storage import checkpoints, lease
+from storage import checkpoints, lease, scratch
 from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, move_folder, validate_run_id
 from storage.tracking import Tracker
@@ -511,7 +511,8 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
     torch.set_num_threads(cfg.resources.train_threads)
     # an object-store lake's v0 is copied into a folder of this session's own (the workers build their engines
     # from it), removed when the session closes: a shared cache would keep one copy per run forever
-    copies = None if lake.is_local else tempfile.mkdtemp(prefix="lockstep-v0-")
+    scratch.remove_orphans()  # killed runs' copies
+    copies = None if lake.is_local else tempfile.mkdtemp(prefix=scratch.prefix("v0"))
     try:
         local_v0 = checkpoints.local_copy(lake, v0_dir, copies) if copies else v0_dir
         model, tokenizer = load_hf(local_v0)

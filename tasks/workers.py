@@ -28,6 +28,8 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from storage import scratch
+
 _STOP = "__stop__"
 
 
@@ -55,31 +57,6 @@ class WorkerSpec:
 _MAPPED: dict[str, object] = {}  # SharedWeights file -> this process's mapping of it (a uint8 tensor)
 
 
-def remove_orphaned_weights(directory: str) -> list[str]:
-    """Delete shared-weights files whose creating process is gone (a SIGKILLed run cannot unlink its file, and
-    in `/dev/shm` a model-sized file holds memory until someone does). Returns the removed paths."""
-    removed = []
-    for name in os.listdir(directory):
-        parts = name.split("-")
-        if not (
-            name.startswith("lockstep-weights-") and name.endswith(".bin") and len(parts) >= 4 and parts[2].isdigit()
-        ):
-            continue
-        try:
-            os.kill(int(parts[2]), 0)
-            continue  # its process is alive (or the pid was reused: then the file stays, harmlessly)
-        except ProcessLookupError:
-            pass
-        except PermissionError:  # alive, another user's
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
-        except FileNotFoundError:
-            pass
-    return removed
-
-
 @dataclass(frozen=True)
 class SharedWeights:
     """A model's parameters in one file in shared memory (`/dev/shm` where there is one), mapped by the trainer and
@@ -103,8 +80,8 @@ class SharedWeights:
             directory = (
                 "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
             )
-        remove_orphaned_weights(directory)
-        fd, path = tempfile.mkstemp(prefix=f"lockstep-weights-{os.getpid()}-", suffix=".bin", dir=directory)
+        scratch.remove_orphans(directory)  # a SIGKILLed run's file holds shared memory until someone removes it
+        fd, path = tempfile.mkstemp(prefix=scratch.prefix("weights"), suffix=".bin", dir=directory)
         try:
             os.ftruncate(fd, max(offset, 1))
         finally:
@@ -228,7 +205,7 @@ class _Worker:
                 source.read_into(self.model)
             elif self.vllm is not None:  # vLLM reads a local directory inside its own worker processes; a copy of an
                 # object-store checkpoint lasts only for the load (kept, one would pile up per promoted version)
-                with tempfile.TemporaryDirectory(prefix="lockstep-load-") as copies:
+                with tempfile.TemporaryDirectory(prefix=scratch.prefix("load")) as copies:
                     self.vllm.load_checkpoint(checkpoints.local_copy(self.lake, source, copies))
             else:
                 checkpoints.load_into(self.model, checkpoints.load_weights(self.lake, source))

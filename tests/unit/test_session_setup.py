@@ -16,10 +16,12 @@ import torch
 from configs.schema import load_config
 from models.tiny import build_char_tokenizer, build_tiny_model
 from models.trainer import LossSettings, PolicyTrainer
+from storage import scratch
 from storage.checkpoints import save_checkpoint, verify_checkpoint
 from storage.lake import Lake
 from tasks import session as session_module
 from tasks.preflight import InputError
+from tests.unit.test_lease import dead_pid
 
 torch.set_num_threads(1)
 
@@ -219,10 +221,14 @@ def object_store_run(tmp_path, monkeypatch):
 
 def test_a_session_on_an_object_store_keeps_its_v0_copy_only_while_it_is_open(object_store_run):
     """The workers build their engines from a local copy of v0: it is the session's own, and goes when it closes
-    (in a cache shared by every run, one copy of each run's v0 stayed in the temporary folder forever)."""
+    (in a cache shared by every run, one copy of each run's v0 stayed in the temporary folder forever); a killed
+    run's copy is removed as the next session opens."""
     cfg, temp, specs = object_store_run
+    killed_runs_copy = temp / f"lockstep-v0-{dead_pid()}-{scratch.prefix('x').split('-')[3]}-x"
+    killed_runs_copy.mkdir()
     s = session_module.open_session(cfg)
     try:
+        assert not killed_runs_copy.exists()  # swept as the session opened
         [spec] = specs
         assert os.path.dirname(s.local_copies) == str(temp)
         assert os.path.dirname(spec.model_dir) == s.local_copies

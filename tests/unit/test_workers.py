@@ -124,25 +124,6 @@ def test_shared_weights_carry_a_version_between_mappings(tmp_path, tiny_hf):
     assert shared.path.startswith(str(tmp_path)) and not os.path.exists(shared.path)
 
 
-def test_orphaned_shared_weights_are_removed(tmp_path):
-    """A SIGKILLed run leaves its shared-weights file behind; the next run's creation removes files whose process is
-    gone and keeps those of live processes (and files that are not ours)."""
-    import subprocess
-    import sys
-
-    from tasks.workers import remove_orphaned_weights
-
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)  # exited: no such process any more
-    orphan = tmp_path / f"lockstep-weights-{dead_pid}-abc.bin"
-    live = tmp_path / f"lockstep-weights-{os.getpid()}-def.bin"
-    other = tmp_path / "lockstep-weights-notapid-x.bin"
-    for f in (orphan, live, other):
-        f.write_bytes(b"\0" * 64)
-    assert remove_orphaned_weights(str(tmp_path)) == [str(orphan)]
-    assert not orphan.exists() and live.exists() and other.exists()
-
-
 _ORPHAN_PARENT = """
 import sys, threading, time
 from transformers import AutoTokenizer
