@@ -27,6 +27,14 @@ def prefix(kind: str) -> str:
     return f"lockstep-{kind}-{os.getpid()}-{_host_tag()}-"
 
 
+def _pid(field: str) -> int | None:
+    """The process id a name's field gives, or None where it cannot be one (not ASCII digits, or beyond a pid_t:
+    `os.kill` would raise on it, and one stray name in the temporary folder must not stop every session's sweep)."""
+    if not (field.isascii() and field.isdigit()) or int(field) >= 2**31:
+        return None
+    return int(field)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -45,9 +53,10 @@ def remove_orphans(directory: str | None = None) -> list[str]:
     removed = []
     for name in sorted(os.listdir(directory)):
         parts = name.split("-")
-        if len(parts) < 5 or parts[0] != "lockstep" or not parts[2].isdigit() or parts[3] != host:
+        if len(parts) < 5 or parts[0] != "lockstep" or parts[3] != host:
             continue
-        if _alive(int(parts[2])):
+        pid = _pid(parts[2])
+        if pid is None or _alive(pid):
             continue
         path = os.path.join(directory, name)
         try:

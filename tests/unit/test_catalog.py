@@ -69,6 +69,21 @@ def test_a_memory_lake_has_no_catalog():
     assert catalog.catalog_uri(Lake("memory://lockstep-no-catalog"), "a") is None
 
 
+def test_an_object_store_lake_has_its_catalog_at_a_url():
+    """LanceDB opens an object store's catalog by URL (its own object-store client): the path of the lake's
+    filesystem alone would be taken for a local folder."""
+    assert catalog.catalog_uri(Lake("s3://bucket/lake"), "a") == "s3://bucket/lake/runs/a/catalog"
+
+
+def test_the_heavy_columns_stay_in_the_shards(tmp_path):
+    """The token ids and behaviour log-probabilities (most of a sample's bytes) are left out of the catalog: audits
+    read the shards for them."""
+    uri = str(tmp_path / "catalog")
+    samples = _samples(0).append_column("behavior_logprobs", pa.array([[-0.5, -0.25]] * 32))
+    catalog.write_iteration(uri, samples, _shards(0), version=1)
+    assert catalog.query(uri).column_names == ["sample_id", "iteration", "reward"]
+
+
 def test_query_filters_rows_and_selects_columns(tmp_path):
     uri = str(tmp_path / "catalog")
     for k in (0, 1):

@@ -284,6 +284,59 @@ def test_export_into_an_empty_directory_that_cannot_be_replaced(tiny_hf, lake, t
     assert AutoModelForCausalLM.from_pretrained(str(cwd)) is not None
 
 
+def test_nested_model_files_are_exported_and_copied(tiny_hf, tmp_path):
+    """A tokenizer with named chat templates saves the extra ones under `additional_chat_templates/`: an export and a
+    local copy (the files a vLLM worker and `from_pretrained` load) hold them at their place, and the tokenizer
+    loaded from either has every template."""
+    from storage.checkpoints import local_copy
+
+    tok = tiny_hf.tokenizer
+    tok.chat_template = {"default": "{{ messages[0]['content'] }}", "tool_use": "T: {{ messages[0]['content'] }}"}
+    for lake in (Lake(str(tmp_path / "lake")), Lake(f"memory://nested-{tmp_path.name}")):
+        path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tok)
+        assert "additional_chat_templates/tool_use.jinja" in json.loads(lake.fs.cat_file(f"{path}/MANIFEST.json"))
+        out = tmp_path / f"export-{lake.protocol}"
+        cache = tmp_path / f"cache-{lake.protocol}"
+        cache.mkdir()
+        for folder in (export_hf(lake, path, str(out)), local_copy(lake, path, str(cache))):
+            assert AutoTokenizer.from_pretrained(folder).chat_template == tok.chat_template, folder
+        if not lake.is_local:
+            lake.fs.rm(lake.root, recursive=True)
+
+
+def test_export_creates_the_parents_of_a_new_directory(tiny_hf, lake, tmp_path):
+    """`lockstep export --out models/run/v3`: the folders above the target are created, and nothing but the model
+    directory is left in them."""
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    out = tmp_path / "models" / "run" / "v1"
+    assert export_hf(lake, path, str(out)) == str(out)
+    assert os.listdir(out.parent) == ["v1"]
+    files = sorted(p.name for p in Path(path).iterdir() if p.name not in ("trainer_state", "MANIFEST.json"))
+    assert sorted(os.listdir(out)) == files
+
+
+def test_an_export_into_an_existing_directory_is_staged_inside_it(tiny_hf, lake, tmp_path, monkeypatch):
+    """An existing empty target may be a mount point: a folder staged beside it is on another filesystem, where
+    moving the files in is a copy (or fails, EXDEV). Its files are written in a hidden folder inside it; a new
+    target's in a hidden folder beside it, renamed to it."""
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    real, folders = Path.write_bytes, set()
+
+    def write_bytes(self, data):
+        folders.add(self.parent)
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    for target, inside in ((tmp_path / "mounted", True), (tmp_path / "new", False)):
+        if inside:
+            target.mkdir()
+        folders.clear()
+        export_hf(lake, path, str(target))
+        (stage,) = folders
+        assert stage.name.startswith(f".{target.name}.") and stage.name.endswith(".partial")
+        assert stage.parent == (target if inside else tmp_path), target
+
+
 def test_promote_of_missing_version_fails(tiny_hf, lake):
     with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
         promote(lake, RUN, 7)
@@ -434,6 +487,35 @@ def test_uncopied_snapshot_follows_the_model(tiny_hf):
     name = "model.embed_tokens.weight"
     assert torch.equal(view.weights[name], model.state_dict()[name])
     assert not torch.equal(copied.weights[name], model.state_dict()[name])
+
+
+def test_a_copied_snapshot_keeps_views_of_one_storage_apart():
+    """`copy` makes one copy per storage so that tied entries stay tied (saved once); entries that only start at the
+    same address (a transposed view, another shape or dtype of the same bytes) are other tensors: each keeps its own
+    values, shape, dtype and layout, detached from the live model."""
+
+    class Views(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3, bias=False)
+            self.b = torch.nn.Linear(3, 3, bias=False)
+            self.b.weight = self.a.weight  # tied
+            with torch.no_grad():
+                self.a.weight.copy_(torch.arange(9.0).reshape(3, 3))
+            w = self.a.weight.data
+            self.register_buffer("transposed", w.t())  # same address, shape and dtype; other strides
+            self.register_buffer("rows", w[:2])  # other shape, same strides
+            self.register_buffer("bits", w.view(torch.int32))  # other dtype
+
+    model = Views()
+    live = model.state_dict()
+    snap = snapshot(model, copy=True)
+    assert snap.weights.keys() == live.keys()
+    for name, t in live.items():
+        got = snap.weights[name]
+        assert (got.dtype, got.shape, got.stride()) == (t.dtype, t.shape, t.stride()), name
+        assert torch.equal(got, t) and got.data_ptr() != t.data_ptr(), name
+    assert snap.weights["a.weight"] is snap.weights["b.weight"]
 
 
 @pytest.mark.parametrize("prox", ["recompute", "loglinear"])

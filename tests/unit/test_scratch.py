@@ -88,6 +88,44 @@ def test_a_scratch_another_sweep_removed_first_is_skipped(tmp_path, monkeypatch)
     assert not orphan.exists()
 
 
+def test_names_that_only_look_like_a_scratch_are_kept(tmp_path):
+    """A scratch name has five parts at least (the prefix ends with '-') and a process id of digits: a name of this
+    host and of a dead process id without its trailing part, or with a process id that is not a number, is someone
+    else's file, and the sweep neither removes it nor fails on it."""
+    host, dead = scratch.prefix("x").split("-")[3], dead_pid()
+    kept = [tmp_path / f"lockstep-weights-{dead}-{host}", tmp_path / f"lockstep-v0-x{dead}-{host}-x"]
+    for path in kept:
+        path.mkdir()
+    assert scratch.remove_orphans(str(tmp_path)) == []
+    assert all(p.exists() for p in kept)
+
+
+def test_a_dead_process_link_is_removed_not_what_it_points_to(tmp_path):
+    """A scratch that is a symbolic link to a folder is unlinked: the link goes, the folder it points to stays."""
+    target = tmp_path / "weights"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"\0" * 64)
+    link = tmp_path / f"lockstep-v0-{dead_pid()}-{scratch.prefix('x').split('-')[3]}-x"
+    link.symlink_to(target)
+    assert scratch.remove_orphans(str(tmp_path)) == [str(link)]
+    assert not link.is_symlink() and (target / "model.safetensors").read_bytes() == b"\0" * 64
+
+
+def test_another_hosts_sweep_keeps_this_hosts_scratch(tmp_path, monkeypatch):
+    """The host tag is the host name's: on another host sharing the folder (a container with process ids of its own)
+    a process id says nothing of this host's processes, so that host's sweep leaves this host's scratch alone, even
+    a dead process's, which this host's sweep removes."""
+    orphan = tmp_path / f"lockstep-v0-{dead_pid()}-{scratch.prefix('x').split('-')[3]}-x"
+    orphan.mkdir()
+    here = scratch.prefix("v0")
+    monkeypatch.setattr(scratch.socket, "gethostname", lambda: "another-host")
+    there = scratch.prefix("v0")
+    assert there.split("-")[3] != here.split("-")[3] and len(there.split("-")[3]) == 8
+    assert scratch.remove_orphans(str(tmp_path)) == [] and orphan.exists()
+    monkeypatch.undo()
+    assert scratch.remove_orphans(str(tmp_path)) == [str(orphan)]
+
+
 def test_the_temporary_folder_is_swept_by_default(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     orphan = tmp_path / f"lockstep-load-{dead_pid()}-{scratch.prefix('x').split('-')[3]}-x"
@@ -114,3 +152,16 @@ def test_a_checkpoint_is_staged_in_a_scratch_folder_of_this_process(tiny_hf, tmp
     assert existed and os.path.dirname(local) == str(tmp_path)
     assert os.path.basename(local).startswith(scratch.prefix("ckpt"))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("pid", ["2147483648", "99999999999999999999", "\u00b2"])
+def test_a_name_whose_pid_field_is_no_pid_is_kept_and_does_not_stop_the_sweep(tmp_path, pid):
+    """`os.kill` raises OverflowError past a pid_t and `int` ValueError on "²" (which `isdigit` accepts): one such
+    name in the temporary folder stopped every session from opening."""
+    host = scratch.prefix("x").split("-")[3]
+    stray = tmp_path / f"lockstep-v0-{pid}-{host}-x"
+    stray.mkdir()
+    orphan = tmp_path / f"lockstep-v0-{dead_pid()}-{host}-y"
+    orphan.mkdir()
+    assert scratch.remove_orphans(str(tmp_path)) == [str(orphan)]
+    assert stray.exists()

@@ -7,6 +7,7 @@ local copies reused and shared between processes."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import uuid
@@ -21,6 +22,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from transformers import AutoModelForCausalLM
 
 from storage import checkpoints, faults, ledger
+from storage import lake as lake_module
 from storage.checkpoints import (
     CheckpointError,
     export_hf,
@@ -256,6 +258,77 @@ def test_a_remote_save_cut_mid_upload_leaves_no_directory_under_its_final_name(t
     assert not memory_lake.fs.exists(memory_lake.checkpoint_dir(RUN, 1))
 
 
+@pytest.fixture
+def object_store_lake(memory_lake, monkeypatch):
+    """`memory_lake` taken for an object store (as s3:// is): no rename, each object written in place."""
+    monkeypatch.setattr(lake_module, "OBJECT_STORES", lake_module.OBJECT_STORES | {"memory"})
+    assert memory_lake.is_object_store
+    return memory_lake
+
+
+def test_an_object_store_checkpoint_has_its_manifest_uploaded_last(tiny_hf, object_store_lake, monkeypatch):
+    """An object store has no rename: a checkpoint's objects are written under its final name, MANIFEST.json last,
+    so a save cut part-way leaves a folder that every reader refuses (no manifest), which the next save replaces.
+    Nothing goes through _tmp/."""
+    lake, model = object_store_lake, tiny_hf.model
+    real_put_file = MemoryFileSystem.put_file
+    uploaded, cuts = [], ["cut before the manifest"]
+
+    def put_file(self, lpath, rpath, *args, **kwargs):
+        if rpath.endswith("/MANIFEST.json") and cuts:
+            raise ConnectionResetError(cuts.pop())
+        uploaded.append(rpath)
+        return real_put_file(self, lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "put_file", put_file)
+    with pytest.raises(ConnectionResetError):
+        save_checkpoint(lake, RUN, 1, model, tiny_hf.tokenizer)
+    path = lake.checkpoint_dir(RUN, 1)
+    with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
+        verify_checkpoint(lake, path)
+
+    trained_optimizer(model)  # other weights
+    uploaded.clear()
+    assert save_checkpoint(lake, RUN, 1, model, tiny_hf.tokenizer) == path
+    manifest = json.loads(lake.fs.cat_file(f"{path}/MANIFEST.json"))
+    assert uploaded == [*(f"{path}/{rel}" for rel in sorted(manifest)), f"{path}/MANIFEST.json"]
+    verify_checkpoint(lake, path)
+    saved = checkpoints.load_weights(lake, path)
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items() if k in saved)
+    assert not lake.fs.exists(f"{lake.run_dir(RUN)}/_tmp")
+
+
+@pytest.mark.parametrize("kind", ["lake", "memory_lake", "object_store_lake"])
+def test_the_checkpoint_failpoint_fires_with_every_file_written_none_published(request, tiny_hf, kind, monkeypatch):
+    """`LOCKSTEP_FAULT=mid-checkpoint` (the resilience tests' crash inside a save) fires once the checkpoint's files
+    are written and before they are published: under _tmp/ and nothing at the checkpoint's name, or on an object
+    store at its name without MANIFEST.json, a folder that every reader refuses."""
+    lake = request.getfixturevalue(kind)
+    path, staging = lake.checkpoint_dir(RUN, 1), f"{lake.run_dir(RUN)}/_tmp"
+    fs, seen = lake.fs, []
+
+    def names(root: str) -> list[str]:
+        return sorted(p.rsplit("/", 1)[-1] for p in fs.find(root)) if fs.exists(root) else []
+
+    def kill(pid, sig):  # what a SIGKILL here leaves
+        seen.append((names(path), names(staging)))
+        raise Killed(sig)
+
+    monkeypatch.setattr(faults, "_passes", Counter())
+    monkeypatch.setattr(faults.os, "kill", kill)
+    monkeypatch.setenv("LOCKSTEP_FAULT", "mid-checkpoint")
+    with pytest.raises(Killed):
+        save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    [(at_name, staged)] = seen
+    files = {"config.json", "model.safetensors", "rng.safetensors", "state.json"}
+    if kind == "object_store_lake":
+        assert files <= set(at_name) and "MANIFEST.json" not in at_name and staged == []
+        with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
+            verify_checkpoint(lake, path)
+    else:
+        assert at_name == [] and files | {"MANIFEST.json"} <= set(staged)
+
+
 @pytest.mark.parametrize("lake_kind", ["local", "memory"])
 def test_a_shared_folder_already_built_is_kept(request, tiny_hf, lake_kind):
     """`keep_existing` (the bootstrap folder, shared by the runs of one key): a second build does not replace the
@@ -386,6 +459,16 @@ def test_a_local_copy_is_reused_without_downloading_again(tiny_hf, memory_lake, 
     assert local_copy(memory_lake, path, str(tmp_path)) == first
 
 
+def test_a_local_copy_of_a_checkpoint_without_manifest_is_refused_by_name(tiny_hf, memory_lake, tmp_path):
+    """A checkpoint whose save was cut before its MANIFEST.json (an object store's upload) is named as incomplete,
+    with its URL, and nothing is copied."""
+    path = save_checkpoint(memory_lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    memory_lake.fs.rm(f"{path}/MANIFEST.json")
+    with pytest.raises(CheckpointError, match=f"checkpoint memory://{path.lstrip('/')} has no MANIFEST.json"):
+        local_copy(memory_lake, path, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_copy_another_process_finished_first_is_taken(tiny_hf, memory_lake, tmp_path, monkeypatch):
     """Two processes copying one checkpoint at once: the one whose rename loses takes the other's complete copy
     instead of failing."""
@@ -422,6 +505,51 @@ def test_export_refuses_a_damaged_checkpoint_and_writes_nothing(tiny_hf, lake, t
         export_hf(lake, path, str(out))
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lake"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_export_is_on_disk_before_it_is_moved_into_place(tiny_hf, lake, tmp_path, durability_log, existing):
+    """A power cut after an export returns must not leave a model directory with files not yet on disk: each file
+    and the staging folder are synced before they are moved into place, and the folder holding them after."""
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+    del durability_log[:]  # the export's own
+    export_hf(lake, path, str(out))
+    files = sorted(os.listdir(out))
+    renames = [i for i, (event, _) in enumerate(durability_log) if event == "rename"]
+    synced = {p for event, p in durability_log[: renames[0]] if event == "fsync"}
+    (stage,) = {os.path.dirname(p) for p in synced if p.endswith("/config.json")}
+    assert {stage, *(f"{stage}/{f}" for f in files)} <= synced
+    moved = sorted(durability_log[i][1] for i in renames)
+    assert moved == ([str(out / f) for f in files] if existing else [str(out)])
+    assert durability_log[renames[-1] + 1 :] == [("fsync", str(out if existing else tmp_path))]
+
+
+def test_an_interrupted_export_leaves_no_partial_folder(tiny_hf, lake, tmp_path, monkeypatch):
+    """Ctrl-C part-way through an export (KeyboardInterrupt, not an Exception) removes its hidden folder as a failure
+    does: no `.out.*.partial` holding part of a model is left beside the target or inside it."""
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    written = []
+    real = Path.write_bytes
+
+    def interrupted_at_the_second_file(self, data):
+        if written:
+            raise KeyboardInterrupt
+        written.append(self.name)
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", interrupted_at_the_second_file)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for target in (tmp_path / "out", empty):
+        with pytest.raises(KeyboardInterrupt):
+            export_hf(lake, path, str(target))
+        assert written
+        written.clear()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "lake"]
+    assert list(empty.iterdir()) == []
 
 
 def test_export_refuses_a_directory_that_is_not_empty(tiny_hf, lake, tmp_path):
