@@ -61,6 +61,16 @@ def lr_factor(step: int, total: int, *, kind: str = "constant", warmup: int = 0,
     return min_ratio + (1.0 - min_ratio) * shape
 
 
+# decoupled PPO's importance-weight figures, token-weighted over the batch: the raw weight's mean, the applied one's
+# (after the cap or mask), and the fractions of tokens capped and masked out (`is_weight/max` is the raw maximum)
+IS_WEIGHT_TOKEN_FIGURES = (
+    "is_weight/mean",
+    "is_weight/applied_mean",
+    "is_weight/capped_fraction",
+    "is_weight/masked_fraction",
+)
+
+
 @dataclass
 class LossSettings:
     advantage: objectives.AdvantageKind = "grpo"
@@ -277,13 +287,12 @@ class PolicyTrainer:
                 "clip/fraction",
                 "clip/low_fraction",
                 "clip/high_fraction",
-                "is_weight/mean",
-                "is_weight/capped_fraction",
+                *IS_WEIGHT_TOKEN_FIGURES,
                 *(k for k in metrics if k.startswith("prox/")),
             ):
                 if key in metrics:
                     self._sums[key] += metrics[key] * ntok
-            if "is_weight/max" in metrics:
+            if "is_weight/max" in metrics and ntok > 0:  # an empty micro-step's neutral 1.0 is no token's weight
                 self._maxes["is_weight/max"] = max(self._maxes.get("is_weight/max", 0.0), metrics["is_weight/max"])
             self._sums["adv/zero_groups"] += zero_groups
             self._sums["train/shared_fallbacks"] += float(self.shared_prompt and not shared)
@@ -396,7 +405,7 @@ class PolicyTrainer:
             if self.loss.kl_coef > 0:
                 token_keys.append("kl/mean")
             if self.loss.decoupled:
-                token_keys += ["is_weight/mean", "is_weight/capped_fraction"]
+                token_keys += list(IS_WEIGHT_TOKEN_FIGURES)
                 token_keys += [k for k in self._sums if k.startswith("prox/")]
                 figures["is_weight/max"] = self._maxes.get("is_weight/max", 1.0)
             figures.update({k: self._sums[k] / tok for k in token_keys})

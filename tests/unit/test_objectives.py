@@ -688,6 +688,112 @@ def test_sequence_weight_of_a_long_response_is_clamped_finite():
     close(m["is_weight/max"], math.exp(20.0), rtol=1e-5)
 
 
+# ------------------------------------------------------------- A-3PO figures and contracts (decoupled-parts audit)
+# Each test below kills a change to the A-3PO / decoupled parts of models/objectives.py that the tests above let
+# through: a figure computed over every position instead of the mask tokens, a boundary of the version check, a
+# .detach() removed, a default changed.
+
+
+def _proximal_with_padding():
+    # trainer 5, versions [3, 4, 0] -> d = [2, 1, 5]; the third position is padding (mask 0) with finite garbage
+    # (behaviour -2, current -.1, recomputed -.3): were it a response token, d = 5 would move every figure
+    b = torch.tensor([[LN(0.2), LN(0.2), -2.0]])
+    cur = torch.tensor([[LN(0.8), LN(0.8), -0.1]])
+    rec = torch.tensor([[LN(0.45), LN(0.3), -0.3]])
+    return b, cur, rec, torch.tensor([[3, 4, 0]]), torch.tensor([[True, True, False]])
+
+
+@pytest.mark.parametrize("kind", ["loglinear", "linear", "recompute"])
+def test_proximal_figures_are_over_the_mask_tokens_only(kind):
+    # over the 2 mask tokens: staleness mean (2 + 1) / 2 = 1.5, max 2 (not 5); alpha mean (.5 + 0) / 2 = .25.
+    # A stale padding position (d = 5, alpha .8) still returns its behaviour log-prob, for every kind.
+    b, cur, rec, v, mask = _proximal_with_padding()
+    prox, m = obj.proximal_logprobs(b, cur, v, 5, mask, kind, recomputed_logp=rec)
+    assert (m["staleness/mean"], m["staleness/max"]) == (1.5, 2.0)
+    close(m["prox/alpha_mean"], 0.25)
+    assert prox[0, 2].item() == -2.0
+
+
+@pytest.mark.parametrize(
+    ("kind", "err"),
+    [("loglinear", abs(LN(0.4) - LN(0.45))), ("linear", abs(LN(0.5) - LN(0.45)))],
+    ids=["loglinear", "linear"],
+)
+def test_proximal_error_figures_are_over_the_mask_tokens_only(kind, err):
+    # only the d = 2 token differs from the recomputed policy (loglinear log .4, linear log .5 vs log .45); the d = 1
+    # token is behaviour in both. Over the 2 mask tokens: abs_err = err / 2; rel_err = err / (|log .45| + |log .2|)
+    # (the padding's |-2| is not in the sum); gap_ratio = err / |log .45 - log .2|; is_weight_err = |w - .45/.2| / 2
+    # with w = .4/.2 = 2 (loglinear) or .5/.2 = 2.5 (linear): .25 / 2 = .125 either way
+    b, cur, rec, v, mask = _proximal_with_padding()
+    _, m = obj.proximal_logprobs(b, cur, v, 5, mask, kind, recomputed_logp=rec)
+    close(m["prox/abs_err"], err / 2, atol=1e-6)
+    close(m["prox/rel_err"], err / (abs(LN(0.45)) + abs(LN(0.2))), atol=1e-6)
+    close(m["prox/gap_ratio"], err / abs(LN(0.45) - LN(0.2)), atol=1e-6)
+    close(m["prox/is_weight_err"], 0.125, atol=1e-5)
+
+
+def test_proximal_error_figures_ignore_infinite_garbage_off_the_mask():
+    # the module's promise: masked positions may hold -inf log-probs. There prox = ref = behaviour = -inf, and
+    # -inf - (-inf) is NaN: the error must be selected away, not computed and summed
+    b, cur, rec, v, mask = _proximal_with_padding()
+    b[0, 2] = cur[0, 2] = rec[0, 2] = -math.inf
+    _, m = obj.proximal_logprobs(b, cur, v, 5, mask, "loglinear", recomputed_logp=rec)
+    close(m["prox/abs_err"], abs(LN(0.4) - LN(0.45)) / 2, atol=1e-6)
+    assert all(math.isfinite(x) for x in m.values())
+
+
+def test_a_token_one_version_ahead_of_the_trainer_is_refused():
+    # d = -1 on a response token: the smallest impossible staleness is refused like any larger one; d = 0 is fine
+    b = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    with pytest.raises(ValueError, match="exceed trainer_version"):
+        obj.proximal_logprobs(b, b, torch.tensor([[3, 4]]), 3, mask, "loglinear")
+    obj.proximal_logprobs(b, b, torch.tensor([[3, 3]]), 3, mask, "loglinear")
+
+
+@pytest.mark.parametrize("kind", ["loglinear", "linear"])
+def test_approximated_proximal_logprobs_are_detached(kind):
+    # the proximal policy is a constant of the loss: no graph back to the current or behaviour log-probs
+    b = torch.tensor([[-1.5, -2.0]], requires_grad=True)
+    cur = torch.tensor([[-0.5, -1.0]], requires_grad=True)
+    prox, _ = obj.proximal_logprobs(b, cur, torch.tensor([[1, 2]]), 4, torch.ones(1, 2), kind)
+    assert not prox.requires_grad and prox.grad_fn is None
+
+
+def test_decoupled_loss_caps_the_weight_at_5_by_default():
+    # the signature's default cap is the configured one (5, truncated IS): a raw weight of 8 counts 5
+    b = torch.full((1, 1), -3.0)
+    prox = b + LN(8.0)
+    loss, m = obj.decoupled_policy_loss(prox.clone(), prox, b, torch.tensor([1.0]), torch.ones(1, 1))
+    close(loss, [[-5.0]], atol=1e-5)
+    assert m["is_weight/capped_fraction"] == 1.0 and m["is_weight/masked_fraction"] == 0.0
+    close(m["is_weight/max"], 8.0, atol=1e-5)
+
+
+def test_token_weight_figures_are_over_the_mask_tokens_only():
+    # token level, mask [1, 0]: the mask token's weight is 4; the padding (weight exp(0) = 1 once masked, 100 as
+    # garbage) counts in no figure: mean, max and applied mean (cap 2: the 4 counts 2) are the mask token's alone
+    b = torch.full((1, 2), -3.0)
+    prox = b + torch.tensor([[LN(4.0), LN(100.0)]])
+    _, m = obj.decoupled_policy_loss(
+        prox.clone(), prox, b, torch.tensor([1.0]), torch.tensor([[True, False]]), is_cap=2.0
+    )
+    close(m["is_weight/mean"], 4.0, atol=1e-5)
+    close(m["is_weight/max"], 4.0, atol=1e-5)
+    close(m["is_weight/applied_mean"], 2.0, atol=1e-5)
+    assert m["is_weight/capped_fraction"] == 1.0
+
+
+def test_decoupled_loss_on_an_empty_mask_reports_weight_one():
+    # like policy_loss's ratio figures, an empty mask reports the neutral weight 1 (not 0) and zero fractions
+    b = torch.full((1, 2), -3.0)
+    prox = b + LN(8.0)
+    loss, m = obj.decoupled_policy_loss(prox.clone(), prox, b, torch.tensor([1.0]), torch.zeros(1, 2))
+    assert loss.tolist() == [[0.0, 0.0]]
+    assert m["is_weight/mean"] == m["is_weight/max"] == m["is_weight/applied_mean"] == 1.0
+    assert m["is_weight/capped_fraction"] == m["is_weight/masked_fraction"] == 0.0
+
+
 # ------------------------------------------------------------------------------------------------ entropy, DAPO
 
 

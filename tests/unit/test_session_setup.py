@@ -107,6 +107,23 @@ def test_build_trainer_passes_the_configured_settings(mode, decoupled):
     assert trainer.loss.skip_zero_advantage is (mode != "sync")
 
 
+def test_the_trainer_defaults_are_the_config_defaults_and_the_async_settings_arrive():
+    """A trainer built without loss settings (`LossSettings()`: tests, benchmarks) trains the configured default
+    loss, and an async run's proximal-policy and importance-weight settings reach the trainer as configured."""
+    a = load_config(None, []).algorithm
+    keys = ["advantage", "loss_agg", "clip_low", "clip_high", "dual_clip", "kl_coef", "kl_kind"]
+    keys += ["prox_logp", "is_cap", "is_mode", "is_level"]
+    assert {k: getattr(LossSettings(), k) for k in keys} == {k: getattr(a, k) for k in keys}
+    overrides = ["algorithm.prox_logp=linear", "algorithm.is_cap=2.5", "algorithm.is_mode=mask"]
+    overrides += ["algorithm.is_level=geometric", "algorithm.dual_clip=3.0"]
+    cfg = load_config(None, ["pipeline.mode=async", *overrides])
+    tok = build_char_tokenizer()
+    trainer = session_module.build_trainer(cfg, build_tiny_model(len(tok), seed=0, **TINY), tok, torch.device("cpu"))
+    s = trainer.loss
+    configured = (True, "linear", 2.5, "mask", "geometric", 3.0)
+    assert (s.decoupled, s.prox_logp, s.is_cap, s.is_mode, s.is_level, s.dual_clip) == configured
+
+
 def _saved(tmp_path, version: int):
     tok = build_char_tokenizer()
     model = build_tiny_model(len(tok), seed=0, **TINY)

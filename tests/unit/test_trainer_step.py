@@ -125,3 +125,102 @@ def test_the_rate_stays_at_the_floor_past_the_last_batch(kind):
     """A batch index past the schedule's end (step >= total) trains at the floor, never below it (a linear decay
     continued past its end would reach a negative rate: gradient ascent)."""
     assert [lr_factor(s, 10, kind=kind, warmup=2, min_ratio=0.1) for s in (9, 10, 14)] == pytest.approx([0.1] * 3)
+
+
+# ------------------------------------------------------------------------------------------------ decoupled PPO figures
+
+LN2 = 0.6931471805599453
+
+
+@pytest.mark.parametrize(
+    ("is_level", "is_cap", "is_mode", "dual_clip"),
+    [
+        ("token", None, "cap", None),
+        ("sequence", None, "cap", None),
+        ("sequence", 3.0, "cap", None),
+        ("sequence", 3.0, "mask", None),
+        ("geometric", 3.0, "cap", 1.5),
+    ],
+)
+def test_the_decoupled_loss_takes_the_configured_settings_and_logs_its_figures(is_level, is_cap, is_mode, dual_clip):
+    """Async (`decoupled`, `prox_logp: loglinear`), every token 2 versions behind (alpha = 1/2), two micro-steps of
+    one group each (lengths 3, 1, 4, 2). Group 1's behaviour log-probs lie 2 ln 2 below the policy's, group 2's 2 ln 2
+    above, so log pi_prox - log pi_b = +-ln 2 and log pi_theta - log pi_prox = +-ln 2: token weights w = 2 and 1/2,
+    ratios r = 2 and 1/2. clip_low .6 and clip_high 5 clip neither ratio; a dual clip c = 1.5 bounds group 1's
+    negative-advantage tokens at c |A| (counted in clip/fraction). Per sequence the weight is w^n (sequence) or w
+    (geometric), capped or masked above the cap. So `loss/policy` = sum_i n_i s_i W_i / 20 with s_i the clipped
+    surrogate, and the figures (raw and applied weight means, raw max, capped and masked fractions, alpha,
+    |logp - behaviour| = 2 ln 2) are exact: each setting reaches the loss as configured, and each figure is the
+    token-weighted one of the batch (a mask-mode run logged nothing of the tokens its mask dropped)."""
+    model = _model()
+    settings = LossSettings(
+        decoupled=True,
+        prox_logp="loglinear",
+        clip_low=0.6,
+        clip_high=5.0,
+        dual_clip=dual_clip,
+        is_cap=is_cap,
+        is_mode=is_mode,
+        is_level=is_level,
+    )
+    trainer = PolicyTrainer(model, None, lr=1e-2, loss=settings)
+    groups = [_with_behaviour(model, _group(1), shift=-2 * LN2), _with_behaviour(model, _group(2), shift=2 * LN2)]
+    for g in groups:  # token versions 0, trainer version 2: d = 2
+        trainer.micro_step([g], version=2)
+    figures = trainer.optimizer_step()
+
+    num = w_sum = applied = capped = masked = clipped = 0.0
+    w_max = 0.0
+    for g, w, r in zip(groups, (2.0, 0.5), (2.0, 0.5), strict=True):
+        adv, _ = objectives.compute_advantages(torch.tensor(g.rewards).unsqueeze(0), kind="grpo")
+        for a, resp in zip(adv.squeeze(0).tolist(), g.responses):
+            n = len(resp)
+            s = -a * r  # neither ratio reaches clip_low / clip_high
+            if dual_clip is not None and a < 0 and r > dual_clip:
+                s, clipped = -a * dual_clip, clipped + n
+            w_raw = w**n if is_level == "sequence" else w
+            w_applied = w_raw
+            if is_cap is not None and w_raw > is_cap:
+                w_applied = is_cap if is_mode == "cap" else 0.0
+                capped += n if is_mode == "cap" else 0.0
+                masked += n if is_mode == "mask" else 0.0
+            num += n * s * w_applied
+            applied += n * w_applied
+            w_sum, w_max = w_sum + n * w_raw, max(w_max, w_raw)
+    assert figures["train/tokens"] == 20.0
+    assert figures["loss/policy"] == pytest.approx(num / 20, abs=1e-5)
+    assert figures["is_weight/mean"] == pytest.approx(w_sum / 20, rel=1e-5)
+    assert figures["is_weight/max"] == pytest.approx(w_max, rel=1e-5)
+    assert figures["is_weight/capped_fraction"] == pytest.approx(capped / 20)
+    assert figures["is_weight/applied_mean"] == pytest.approx(applied / 20, rel=1e-5)
+    assert figures["is_weight/masked_fraction"] == pytest.approx(masked / 20)
+    assert figures["clip/fraction"] == pytest.approx(clipped / 20)
+    assert figures["prox/alpha_mean"] == pytest.approx(0.5)
+    assert figures["mismatch/logp_abs"] == pytest.approx(2 * LN2, rel=1e-5)
+
+
+def test_a_micro_step_without_response_tokens_leaves_the_weight_figures_alone():
+    """A micro-step whose responses are all empty trains no token: its neutral weight 1.0 (the empty mask's figure)
+    must not become the batch's `is_weight/max` (it did: 1.0 beside tokens all of weight 1/2)."""
+    model = _model()
+    trainer = PolicyTrainer(model, None, lr=1e-2, loss=LossSettings(decoupled=True, prox_logp="loglinear"))
+    trainer.micro_step([_with_behaviour(model, _group(2), shift=2 * LN2)], version=2)  # weights 1/2
+    trainer.micro_step([_group(3, rewards=(0.0, 1.0), lens=(0, 0))], version=2)
+    figures = trainer.optimizer_step()
+    assert figures["train/tokens"] == 10.0
+    assert figures["is_weight/max"] == pytest.approx(0.5, rel=1e-5)
+    assert figures["is_weight/mean"] == pytest.approx(0.5, rel=1e-5)
+
+
+def test_the_proximal_time_figure_sums_every_micro_step(monkeypatch):
+    """`time/prox_s` is the batch's time spent on the proximal policy: the sum over its micro-steps, not the last
+    one's. A clock that moves 1 s per reading gives each micro-step 1 s of proximal time."""
+    import models.trainer as trainer_module
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: float(next(clock)))
+    model = _model()
+    trainer = PolicyTrainer(model, None, lr=1e-2, loss=LossSettings(decoupled=True, prox_logp="loglinear"))
+    for seed in (1, 2, 3):
+        trainer.micro_step([_with_behaviour(model, _group(seed), shift=0.1)], version=2)
+    assert trainer.optimizer_step()["time/prox_s"] == 3.0

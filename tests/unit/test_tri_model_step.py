@@ -270,3 +270,48 @@ def test_metrics_mode_trains_exactly_like_recompute(models):
         grads[prox] = torch.cat([q.grad.flatten() for q in p.parameters() if q.grad is not None])
     assert torch.equal(grads["recompute"], grads["metrics"])
     assert not torch.allclose(grads["recompute"], grads["loglinear"], rtol=1e-3)  # the approximation is not exact
+
+
+def test_metrics_mode_logs_exactly_the_approximation_figures(models):
+    """`prox_logp: metrics` logs, besides the trained (recomputed) proximal policy's alpha, per approximation its
+    log-prob errors and its gradient agreement with the recomputed policy, and for the no-trust-region baseline the
+    agreement figures other than the reference's zeroed fraction (the approximations' already carry it): no figure
+    left out (a dashboard would read nothing), none duplicated under another name."""
+    policy, previous = models
+    trainer = _decoupled_trainer(policy, "metrics", previous, 2)
+    trainer.micro_step(_stale_groups(policy, token_version=1, noise=0.3, seed=4), version=3)
+    figures = trainer.optimizer_step()
+    agreement = ["grad_abs_err", "grad_abs", "zeroed_fraction", "zeroed_shared_fraction"]
+    per_approx = ["abs_err", "rel_err", "gap_ratio", "is_weight_err", *agreement, "reference_zeroed_fraction"]
+    assert {k for k in figures if k.startswith("prox/")} == {
+        "prox/alpha_mean",
+        *(f"prox/{a}/{k}" for a in ("loglinear", "linear") for k in per_approx),
+        *(f"prox/no_clip/{k}" for k in agreement),
+    }
+    assert figures["prox/alpha_mean"] == pytest.approx(0.5)  # every token 2 versions behind
+
+
+def test_the_proximal_pass_uses_the_sampling_temperature(models, monkeypatch):
+    """The recomputed proximal log-probs are those of the proximal weights at the rollout temperature, like the
+    policy's own (a pass at temperature 1 would put a temperature ratio into every ratio and weight)."""
+    from models.packing import Group, pack, packed_logits, token_logprobs
+
+    policy, previous = models
+    groups = _stale_groups(policy, token_version=1, noise=0.3, seed=4)  # trained at version 3: d = 2
+    seen = []
+    real = objectives.proximal_logprobs
+
+    def spy(behavior, current, versions, version, mask, kind, recomputed=None):
+        seen.append((recomputed, mask.bool()))
+        return real(behavior, current, versions, version, mask, kind, recomputed)
+
+    monkeypatch.setattr(objectives, "proximal_logprobs", spy)
+    trainer = _decoupled_trainer(policy, "recompute", previous, 2, temperature=0.5)
+    trainer.micro_step(groups, version=3)
+    packed = pack([Group(g.prompt_ids, g.responses) for g in groups], PAD, False)
+    with torch.no_grad():
+        logits = packed_logits(previous, packed)
+        at_t, at_1 = token_logprobs(logits, packed.targets, 0.5), token_logprobs(logits, packed.targets)
+    rec, m = seen[0]
+    assert float((rec - at_t).abs()[m].max()) <= 1e-6
+    assert float((at_1 - at_t).abs()[m].max()) > 1e-2  # the temperature matters here
