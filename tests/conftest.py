@@ -41,3 +41,19 @@ def tiny_hf() -> TinyHF:
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(len(tokenizer), seed=0, **TINY)
     return TinyHF(tokenizer, model)
+
+
+@pytest.fixture
+def memory_lake():
+    """A lake in fsspec's in-process memory store (not a local folder), emptied after the test."""
+    import uuid
+
+    import fsspec
+
+    from storage.lake import Lake
+
+    lake = Lake(f"memory://lockstep-test-{uuid.uuid4().hex}")
+    yield lake
+    fs = fsspec.filesystem("memory")
+    if fs.exists(lake.root):
+        fs.rm(lake.root, recursive=True)

@@ -86,6 +86,7 @@ def test_plain_and_iteration_points_both_armed(monkeypatch, sent):
         ("after-plan@two:TERM", r"pass 'two' of 'after-plan' is not a positive integer"),
         ("after-plan@-1", r"pass '-1' of 'after-plan' is not a positive integer"),
         ("after-plan@\u00b2", r"pass '\u00b2' of 'after-plan' is not a positive integer"),  # superscript 2
+        ("after-plan@\u0661", r"pass '\u0661' of 'after-plan' is not a positive integer"),  # Arabic-Indic 1
         ("after-plan@", r"pass '' of 'after-plan' is not a positive integer"),
         ("mid-train[1]@:TERM", r"pass '' of 'mid-train\[1\]' is not a positive integer"),
         ("after-plan@1:", r"signal '' of 'after-plan' is not one of \['KILL', 'TERM'\]"),

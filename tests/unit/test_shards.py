@@ -14,7 +14,6 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import fsspec
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
@@ -71,16 +70,6 @@ def make_records(n_groups: int = 2, group_size: int = 3, resp_len: int = 4, prom
 @pytest.fixture
 def local_lake(tmp_path) -> Lake:
     return Lake(str(tmp_path / "lake"))
-
-
-@pytest.fixture
-def memory_lake():
-    uri = f"memory://lockstep-test-{uuid.uuid4().hex}"
-    lake = Lake(uri)
-    yield lake
-    fs = fsspec.filesystem("memory")
-    if fs.exists(lake.root):
-        fs.rm(lake.root, recursive=True)
 
 
 def shard_path(lake: Lake, name: str = "shard-0-00000.arrow") -> str:

@@ -10,11 +10,9 @@ import copy
 import json
 import os
 import shutil
-import uuid
 from collections import Counter
 from pathlib import Path
 
-import fsspec
 import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -45,15 +43,6 @@ RUN = "mutant-run"
 @pytest.fixture
 def lake(tmp_path) -> Lake:
     return Lake(str(tmp_path / "lake"))
-
-
-@pytest.fixture
-def memory_lake():
-    lake = Lake(f"memory://lockstep-mutants-{uuid.uuid4().hex}")
-    yield lake
-    fs = fsspec.filesystem("memory")
-    if fs.exists(lake.root):
-        fs.rm(lake.root, recursive=True)
 
 
 def trained_optimizer(model) -> torch.optim.AdamW:
@@ -177,6 +166,38 @@ def test_the_shard_failpoint_stops_a_shard_write_before_publication(lake, monkey
 
 
 # ------------------------------------------------------------------------------------------------ ledger
+
+
+LEGAL = {
+    "planned": {"rolling_out", "failed"},
+    "rolling_out": {"trained", "failed"},
+    "trained": {"promoted", "failed"},
+    "promoted": set(),
+    "failed": {"planned", "rolling_out"},  # a resume restarts a failed iteration, replanned or not
+}
+REACH = {
+    "planned": ("planned",),
+    "rolling_out": ("planned", "rolling_out"),
+    "trained": ("planned", "rolling_out", "trained"),
+    "promoted": ("planned", "rolling_out", "trained", "promoted"),
+    "failed": ("planned", "failed"),
+}
+
+
+@pytest.mark.parametrize("prev", sorted(REACH))
+def test_the_ledger_allows_exactly_its_state_machine(lake, prev):
+    """Every transition out of every state, legal or not: the whole table, so that a transition added (a promoted
+    iteration marked failed and redone) or dropped (a failed one that cannot restart) is caught."""
+    allowed = set()
+    for k, nxt in enumerate(sorted(REACH)):
+        ledger.write_record(lake, RUN, k, REACH[prev])
+        try:
+            assert ledger.write_record(lake, RUN, k, nxt)["state"] == nxt
+            allowed.add(nxt)
+        except ValueError as e:
+            assert f"illegal transition {prev} -> {nxt}" in str(e)
+            assert ledger.read_record(lake, RUN, k)["state"] == prev
+    assert allowed == LEGAL[prev]
 
 
 def test_annotate_adds_fields_and_keeps_the_state(lake):
@@ -583,3 +604,14 @@ def test_only_a_tied_model_may_lack_its_output_layer(tiny_hf):
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
     with pytest.raises(CheckpointError, match=r"missing \['lm_head.weight'\]"):
         load_into(untied, {k: v for k, v in untied.state_dict().items() if k != "lm_head.weight"})
+
+
+@pytest.mark.parametrize("content", ["42", '"a state"', '["state"]', "null"])
+def test_json_that_is_not_an_object_is_not_a_ledger_record(lake, content):
+    """A record damaged into another JSON value (a number, a string holding 'state', a list) is refused by name,
+    not read as a record or failing with a TypeError."""
+    path = Path(lake.ledger_file(RUN, 0))
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"{path} is not a ledger record"):
+        ledger.read_record(lake, RUN, 0)

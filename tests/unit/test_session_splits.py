@@ -1,0 +1,150 @@
+"""`tasks.session`'s held-out split and evaluation: a dataset's held-out rows depend on `task.split_seed` only and
+number exactly `task.n_eval` (from the file itself or `eval_uri`), the training rows keep the file's order; the
+arithmetic held-out prompts are fixed texts; `evaluate` scores the held-out prompts at `eval.max_new_tokens` and
+`accuracy` leaves the model in the mode it found it; resume sets aside exactly the rollouts of versions newer than
+the promoted one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from types import SimpleNamespace
+
+import torch
+
+from configs.schema import load_config
+from models.tiny import build_char_tokenizer
+from storage.lake import Lake
+from tasks import session as session_module
+
+torch.set_num_threads(1)
+
+
+def _rows(path, n: int) -> str:
+    path.write_text("".join(json.dumps({"question": f"q{i}?", "answer": f"#### {i}"}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def _dataset_cfg(tmp_path, *extra):
+    uri = _rows(tmp_path / "rows.jsonl", 12)
+    return load_config(
+        None,
+        ["task.kind=dataset", "task.n_shots=0", f"task.dataset={{uri: {uri}}}", "task.n_eval=3", *extra],
+    )
+
+
+def test_a_datasets_held_out_rows_depend_on_the_split_seed_only_and_training_rows_keep_the_file_order(tmp_path):
+    """n_eval rows are held out; the rest train in the file's order; another run seed holds out the same rows
+    (runs compared across seeds evaluate on the same prompts), another split seed other ones."""
+    tok = build_char_tokenizer()
+    train, _, held, _ = session_module.task_prompts(_dataset_cfg(tmp_path, "run.seed=1"), tok)
+    answers = lambda prompts: [int(p.answer) for p in prompts]  # noqa: E731
+    assert len(held) == 3 and len(train) == 9
+    assert sorted(answers(train) + answers(held)) == list(range(12))
+    assert answers(train) == sorted(answers(train))
+    _, _, same, _ = session_module.task_prompts(_dataset_cfg(tmp_path, "run.seed=2"), tok)
+    assert answers(same) == answers(held)
+    others = [
+        answers(session_module.task_prompts(_dataset_cfg(tmp_path, f"task.split_seed={s}"), tok)[2]) for s in (5, 6)
+    ]
+    assert any(o != answers(held) for o in others)
+
+
+def test_a_separate_eval_file_gives_at_most_n_eval_held_out_prompts(tmp_path):
+    """With `task.dataset.eval_uri` the held-out prompts are that file's first n_eval rows, and every row of the
+    training file trains."""
+    uri = _rows(tmp_path / "rows.jsonl", 12)
+    eval_uri = _rows(tmp_path / "eval.jsonl", 8)
+    cfg = load_config(
+        None,
+        ["task.kind=dataset", "task.n_shots=0", f"task.dataset={{uri: {uri}, eval_uri: {eval_uri}}}", "task.n_eval=3"],
+    )
+    train, _, held, _ = session_module.task_prompts(cfg, build_char_tokenizer())
+    assert [int(p.answer) for p in held] == [0, 1, 2] and len(train) == 12
+
+
+def test_the_arithmetic_held_out_prompts_are_fixed_texts():
+    """The held-out prompts (their few-shot examples included) are part of what a run's accuracy means: the same
+    config gives the same texts in every version, so accuracies of runs and of resumes compare. Pinned by digest."""
+    cfg = load_config(
+        None, ["task.max_operand=5", "task.n_eval=5", "task.n_shots=2", "rollout.prompts_per_iteration=4"]
+    )
+    _, _, held, _ = session_module.task_prompts(cfg, build_char_tokenizer())
+    digest = hashlib.sha256("\n\n".join(p.text + "|" + p.answer for p in held).encode()).hexdigest()[:16]
+    assert digest == "fe7d1def91956648"
+
+
+def test_evaluate_scores_the_held_out_prompts_at_the_eval_token_budget(monkeypatch):
+    calls = []
+    monkeypatch.setattr(session_module, "accuracy", lambda *args: calls.append(args) or 0.75)
+    cfg = load_config(None, ["eval.max_new_tokens=7", "rollout.max_new_tokens=9", "task.reward=math_verify"])
+    s = SimpleNamespace(
+        cfg=cfg,
+        trainer=SimpleNamespace(model="model"),
+        tokenizer="tok",
+        train_prompts=["train"],
+        train_token_ids=[[1]],
+        eval_prompts=["held-out"],
+        eval_token_ids=[[2]],
+    )
+    assert session_module.evaluate(s) == 0.75
+    assert calls == [("model", "tok", [[2]], ["held-out"], 7, "math_verify")]
+
+
+def test_accuracy_counts_exact_answers_and_leaves_the_model_in_its_mode(tiny_hf, monkeypatch):
+    """Greedy decoding switches the model to eval mode; a trainer's model must come back in training mode."""
+    tok, model = tiny_hf.tokenizer, tiny_hf.model
+    outs = [tok("12\n", add_special_tokens=False)["input_ids"], tok("7\n", add_special_tokens=False)["input_ids"]]
+
+    def greedy(m, ids, **kw):
+        m.eval()
+        return outs
+
+    monkeypatch.setattr(session_module, "greedy_answers", greedy)
+    prompts = [SimpleNamespace(answer="12"), SimpleNamespace(answer="8")]
+    for training in (True, False):
+        model.train(training)
+        assert session_module.accuracy(model, tok, [[1], [2]], prompts, 4) == 0.5
+        assert model.training is training
+
+
+def test_resume_sets_aside_only_the_rollouts_of_versions_newer_than_the_promoted_one(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    root = f"{lake.run_dir('r1')}/rollouts"
+    for v in (1, 2, 3, 4):
+        (tmp_path / "lake" / "runs" / "r1" / "rollouts" / f"policy_version={v}").mkdir(parents=True)
+        (tmp_path / "lake" / "runs" / "r1" / "rollouts" / f"policy_version={v}" / "shard.parquet").write_bytes(b"x")
+    moved = session_module.set_aside_unpromoted_rollouts(lake, "r1", 2)
+    assert sorted(m.rsplit("/", 1)[-1] for m in moved) == ["policy_version=3", "policy_version=4"]
+    assert all(lake.fs.exists(f"{m}/shard.parquet") for m in moved)
+    assert sorted(p.rsplit("/", 1)[-1] for p in lake.fs.ls(root, detail=False)) == [
+        "policy_version=1",
+        "policy_version=2",
+    ]
+    assert session_module.set_aside_unpromoted_rollouts(Lake(str(tmp_path / "lake")), "ghost", 0) == []
+
+
+def test_bad_dataset_rows_are_reported_by_the_runs_session_only(tmp_path, caplog):
+    """Rows `data.on_bad_row: skip` drops while reading are logged once, by the run's session (`warn=True`), not by
+    the checks before the run (which read the same file)."""
+    path = tmp_path / "rows.jsonl"
+    good = "".join(json.dumps({"question": f"q{i}?", "answer": f"#### {i}"}) + "\n" for i in range(12))
+    path.write_text(good + json.dumps({"question": "no answer?"}) + "\n")
+    cfg = load_config(
+        None,
+        [
+            "task.kind=dataset",
+            "task.n_shots=0",
+            f"task.dataset={{uri: {path}}}",
+            "task.n_eval=3",
+            "data.on_bad_row=skip",
+            "rollout.prompts_per_iteration=2",
+        ],
+    )
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        session_module.check_task(cfg)
+        assert caplog.text == ""
+        train, _, held, _ = session_module.task_prompts(cfg, build_char_tokenizer(), warn=True)
+    assert len(train) + len(held) == 12
+    assert len(caplog.records) == 1 and "rows.jsonl" in caplog.text
