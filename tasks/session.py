@@ -512,22 +512,18 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
     # an object-store lake's v0 is copied into a folder of this session's own (the workers build their engines
     # from it), removed when the session closes: a shared cache would keep one copy per run forever
     scratch.remove_orphans()  # killed runs' copies
-    copies = None if lake.is_local else tempfile.mkdtemp(prefix=scratch.prefix("v0"))
-    try:
+    with contextlib.ExitStack() as undo:  # a failure from here gives back what was made, last first
+        copies = None if lake.is_local else tempfile.mkdtemp(prefix=scratch.prefix("v0"))
+        if copies:
+            undo.callback(shutil.rmtree, copies, ignore_errors=True)
         local_v0 = checkpoints.local_copy(lake, v0_dir, copies) if copies else v0_dir
         model, tokenizer = load_hf(local_v0)
         torch.manual_seed(cfg.run.seed)
         version = checkpoints.promoted_version(lake, run_id)
         trainer = build_trainer(cfg, model, tokenizer, device)
-        try:
-            session = _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached)
-        except BaseException:
-            trainer.close()  # a data-parallel trainer's other ranks
-            raise
-    except BaseException:
-        if copies:
-            shutil.rmtree(copies, ignore_errors=True)
-        raise
+        undo.callback(trainer.close)  # a data-parallel trainer's other ranks
+        session = _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached)
+        undo.pop_all()  # opened: the session closes them
     session.local_copies = copies
     return session
 
