@@ -78,11 +78,15 @@ def test_async_catalog_respects_staleness_and_records_interruptions(tmp_path, mo
     # figures: staleness, importance weights and the approximation errors of metrics mode
     for k, fig in enumerate(out["history"]):
         assert 0.0 <= fig["staleness/mean"] <= fig["staleness/max"] <= 2.0
-        assert fig["is_weight/max"] >= fig["is_weight/mean"] > 0
-        assert "prox/loglinear/abs_err" in fig and "prox/linear/abs_err" in fig
+        if fig["train/tokens"] > 0:
+            assert fig["is_weight/max"] >= fig["is_weight/mean"] > 0
+            assert "prox/loglinear/abs_err" in fig and "prox/linear/abs_err" in fig
+        else:  # every group's rewards were equal (all 0 happens at temperature 2): all skipped, no token figures
+            assert fig["train/skipped_groups"] == 8 and fig["adv/zero_groups"] == 8
+            assert not any(key.startswith(("is_weight/", "prox/")) for key in fig)
         assert fig["time/rollout_busy_s"] > 0 and fig["perf/gen_tokens_per_s"] > 0  # the workers' shard figures
         assert ledger.read_record(lake, "async2", k)["state"] == "promoted"
-    assert any(fig["staleness/max"] == 2.0 and fig["prox/loglinear/abs_err"] > 0 for fig in out["history"])
+    assert any(fig["staleness/max"] == 2.0 and fig.get("prox/loglinear/abs_err", 0) > 0 for fig in out["history"])
     assert out["promoted_version"] == ITERS
     # nothing planned or generated past the last batch (the look-ahead stops at the run's end)
     assert len(ledger.read_all(lake, "async2")) == ITERS

@@ -19,6 +19,10 @@ from tests.ports import free_port, free_ports
 REPO = Path(__file__).resolve().parents[2]
 
 
+def completed(task_run) -> bool:
+    return task_run.state is not None and task_run.state.is_completed()
+
+
 @pytest.mark.slow
 def test_run_triggered_through_the_deployment(tmp_path):
     pp, mp = free_ports(2)
@@ -75,16 +79,17 @@ def test_run_triggered_through_the_deployment(tmp_path):
                     f"{state.type}: {state.message}\n" + (tmp_path / "serve.log").read_text()[-3000:]
                 )
                 # task-run states reach the server as events, recorded in batches (flows/train.py sets a batch size
-                # that this server inherits), so the last ones can land seconds after the flow run's final state
+                # that this server inherits), so the last ones can land seconds after the flow run's final state, and
+                # a task run can be read before any state of it is recorded (its state is then None)
                 deadline = time.monotonic() + 60
                 while True:
                     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-                    if all(t.state.is_completed() for t in tasks) or time.monotonic() > deadline:
+                    if all(completed(t) for t in tasks) or time.monotonic() > deadline:
                         break
                     time.sleep(1)
                 names = {t.name.rsplit("-", 1)[0] for t in tasks}
                 assert {"plan", "rollout", "train", "promote", "audit", "evaluate"} <= names, names
-                assert all(t.state.is_completed() for t in tasks), [(t.name, t.state.type) for t in tasks]
+                assert all(completed(t) for t in tasks), [(t.name, t.state and t.state.type) for t in tasks]
 
         from mlflow.tracking import MlflowClient
 
