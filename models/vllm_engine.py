@@ -17,12 +17,19 @@ from models.engine import Sample, SamplingParams
 INSTALL = "pip install 'lockstep-rl[cuda]' (CUDA) or 'lockstep-rl[npu]' (Ascend, with vllm-ascend)"
 
 
-def _load_checkpoint_in_worker(worker, model_dir: str) -> int:  # runs inside each vLLM worker process
-    from safetensors.torch import load_file
+class CheckpointLoading:
+    """Mixed into every vLLM worker (vLLM's `worker_extension_cls`), so that `collective_rpc` names this method and
+    sends only its name and a path. vLLM's V1 engine runs its workers in other processes and refuses to serialise a
+    function for them (a function travels only by pickle, which it allows only with VLLM_ALLOW_INSECURE_SERIALIZATION).
+    """
 
-    weights = load_file(f"{model_dir}/model.safetensors")
-    worker.model_runner.model.load_weights(weights=iter(weights.items()))
-    return len(weights)
+    def lockstep_load_checkpoint(self, model_dir: str) -> int:
+        """Runs in each vLLM worker process: the checkpoint's weights into its model; returns how many tensors."""
+        from safetensors.torch import load_file
+
+        weights = load_file(f"{model_dir}/model.safetensors")
+        self.model_runner.model.load_weights(weights=iter(weights.items()))
+        return len(weights)
 
 
 class VLLMEngine:
@@ -49,11 +56,12 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{CheckpointLoading.__module__}.{CheckpointLoading.__qualname__}",
         )
 
     def load_checkpoint(self, model_dir: str) -> None:
         """Load a local HF checkpoint directory's weights into every vLLM worker, then drop cached prefixes."""
-        self.llm.collective_rpc(_load_checkpoint_in_worker, args=(model_dir,))
+        self.llm.collective_rpc("lockstep_load_checkpoint", args=(model_dir,))
         self.llm.reset_prefix_cache()
 
     def generate_groups(
