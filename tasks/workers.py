@@ -19,6 +19,7 @@ optimizer step and every worker maps; the checkpoint is then written off the cri
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import queue
 import tempfile
@@ -409,6 +410,12 @@ class WorkerError(RuntimeError):
     pass
 
 
+def _terminate(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+
+
 class WorkerPool:
     """Spawned rollout workers plus the shared chunk queue. One pool per run, kept across iterations."""
 
@@ -425,7 +432,9 @@ class WorkerPool:
                 target=_worker_main,
                 args=(w, spec, self.commands[w], self.work, self.results[w], os.getpid()),
                 name=f"lockstep-rollout-{w}",
-                daemon=True,
+                # a daemonic process may not start processes, and vLLM's engine runs in processes of its own; a
+                # worker ends with the pool's `close` or, failing that, with its parent (`_exit_with_parent`)
+                daemon=spec.engine != "vllm",
             )
             for w in range(n_workers)
         ]
@@ -435,6 +444,9 @@ class WorkerPool:
         self.serve_sent = [threading.Event() for _ in range(n_workers)]
         for p in self.procs:
             p.start()
+        if spec.engine == "vllm":  # what `daemon` does for the other workers: none is left running (nor waited for
+            # without end) when the interpreter exits, or the pool is dropped, without `close`
+            mp_util.Finalize(self, _terminate, args=(list(self.procs),), exitpriority=10)
         if wait_ready:
             for w in range(n_workers):
                 self._await_ready(w)

@@ -153,6 +153,12 @@ def test_worker_ends_when_its_parent_is_killed_mid_generation(tmp_path, tiny_hf)
 
     from models.tiny import save_hf
 
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+
     model_dir = save_hf(tiny_hf.model, tiny_hf.tokenizer, tmp_path / "v0")
     lake = tmp_path / "lake"
     parent = subprocess.Popen(
@@ -163,19 +169,16 @@ def test_worker_ends_when_its_parent_is_killed_mid_generation(tmp_path, tiny_hf)
     )
     try:
         worker = int(parent.stdout.readline())
-        deadline = time.monotonic() + 120
+        # seconds here alone; once, in a clean-clone CI beside other work on 2 cores, only 2 shards in 120 s
+        deadline = time.monotonic() + 300
         while len(list(lake.rglob("*.arrow"))) < 3 and time.monotonic() < deadline:  # generating
             time.sleep(0.05)
-        assert len(list(lake.rglob("*.arrow"))) >= 3, "the worker published nothing within 120 s"
+        shards = len(list(lake.rglob("*.arrow")))
+        assert shards >= 3, f"{shards} shards in 300 s; worker alive {alive(worker)}, parent exit {parent.poll()}"
+        assert alive(worker)  # so that its end below is the kill's doing
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-
-    def alive(pid: int) -> bool:
-        try:
-            return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
-        except (FileNotFoundError, IndexError):
-            return False
 
     deadline = time.monotonic() + 10
     while alive(worker) and time.monotonic() < deadline:
@@ -233,3 +236,80 @@ def test_close_kills_and_reaps_a_worker_that_does_not_exit():
     pool.close(timeout_s=0.5)
     assert stuck.exitcode == -9  # killed and reaped (None while a killed child is not yet waited for)
     assert stuck not in multiprocessing.active_children()
+
+
+# a stand-in `vllm` for the worker's process: like vLLM's V1 engine, building an `LLM` starts a process of its own
+_VLLM_STAND_IN = """
+import multiprocessing
+
+
+def _engine_core():
+    pass
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        core = multiprocessing.get_context("spawn").Process(target=_engine_core)
+        core.start()
+        core.join()
+"""
+
+
+def _vllm_worker_spec(tmp_path, tiny_hf):
+    from dataclasses import replace
+
+    from models.tiny import save_hf
+
+    (tmp_path / "stand-in" / "vllm").mkdir(parents=True)
+    (tmp_path / "stand-in" / "vllm" / "__init__.py").write_text(_VLLM_STAND_IN)
+    model_dir = save_hf(tiny_hf.model, tiny_hf.tokenizer, tmp_path / "v0")
+    return replace(_spec(tmp_path, str(model_dir)), engine="vllm"), tmp_path / "stand-in"
+
+
+def test_a_vllm_worker_may_start_the_engines_own_processes(tmp_path, tiny_hf, monkeypatch):
+    """A daemonic process may not start processes ('daemonic processes are not allowed to have children'), so a
+    rollout worker started as one could never build vLLM's engine."""
+    spec, stand_in = _vllm_worker_spec(tmp_path, tiny_hf)
+    monkeypatch.syspath_prepend(str(stand_in))  # a spawned worker starts with its parent's sys.path
+    pool = WorkerPool(1, spec, start_timeout_s=120)  # WorkerError with the worker's traceback if it failed
+    try:
+        assert pool.ready == [True] and pool.alive()
+    finally:
+        pool.close()
+    assert not pool.procs[0].is_alive()
+
+
+_POOL_LEFT_OPEN = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from tasks.workers import WorkerPool, WorkerSpec
+spec = WorkerSpec(lake_uri=sys.argv[2], run_id="w", model_dir=sys.argv[1], threads=1, run_seed=0, group_size=2,
+                  max_new_tokens=2, temperature=1.0, top_p=1.0, partial_credit=0.0, compression=None,
+                  reward_kind="arithmetic", prompts=[], engine="vllm")
+pool = WorkerPool(1, spec, start_timeout_s=120)
+print(pool.procs[0].pid, flush=True)
+"""  # ends without `close`
+
+
+def test_a_vllm_worker_left_open_neither_outlives_nor_holds_up_the_interpreters_exit(tmp_path, tiny_hf):
+    """The vLLM workers are not daemonic, and the interpreter waits at exit for a process that is not; one left
+    running (the pool never closed) would wait for a command for good, and the interpreter with it."""
+    import subprocess
+    import sys
+
+    spec, stand_in = _vllm_worker_spec(tmp_path, tiny_hf)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-c", _POOL_LEFT_OPEN, spec.model_dir, spec.lake_uri, str(stand_in)],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": repo},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}"), f"the worker {pid} outlived its interpreter"
