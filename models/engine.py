@@ -8,7 +8,9 @@ it or on what else was in its batch (the batch composition itself is fixed by th
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -56,6 +58,14 @@ def _sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
     return logp
 
 
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """The name the model's forward takes its KV cache by: `cache` since transformers renamed `past_key_values` (5.2x,
+    the old name a deprecated alias), which the `cuda` extra's vLLM caps transformers below. A name the forward does
+    not take falls silently into its `**kwargs`: the cache stays empty and each step sees only its own token."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def _prefill(model: torch.nn.Module, seqs: list[list[int]], pad_token_id: int, device):
     """Left-padded prefill of `seqs` (one row each): (cache, last-position logits (n, V), attention mask, next pos)."""
     width = max(len(p) for p in seqs)
@@ -68,7 +78,12 @@ def _prefill(model: torch.nn.Module, seqs: list[list[int]], pad_token_id: int, d
     positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (n, P)
     cache = DynamicCache()
     out = model(
-        input_ids=input_ids, attention_mask=attn, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+        input_ids=input_ids,
+        attention_mask=attn,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{_cache_keyword(type(model)): cache},
     )
     next_pos = torch.tensor([len(p) for p in seqs], device=device)
     return cache, out.logits[:, -1, :], attn, next_pos
@@ -161,8 +176,8 @@ def generate_groups(
             input_ids=feed,
             attention_mask=attn,
             position_ids=next_pos.unsqueeze(-1),
-            cache=cache,
             use_cache=True,
+            **{_cache_keyword(type(model)): cache},
         )
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1

@@ -394,3 +394,20 @@ def test_interrupt_continues_on_the_new_weights(model, prompts):
     for gb, gg in zip(base, got, strict=True):
         for sb, sg in zip(gb, gg, strict=True):
             assert sg.response_ids[:3] == sb.response_ids[:3]
+
+
+def test_the_prefill_fills_the_kv_cache_under_the_name_the_model_takes(tiny_hf):
+    """transformers renamed the forward's `past_key_values` to `cache`; the `cuda` extra's vLLM holds transformers below
+    the rename, and a name the forward does not take is swallowed by its `**kwargs`: the cache stays empty and every
+    decode step sees only its own token (measured with transformers 5.20.2: 13 of this file's tests failed)."""
+    from models.engine import _cache_keyword, _prefill
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class Current(torch.nn.Module):
+        def forward(self, input_ids, cache=None, past_key_values=None, **kwargs): ...
+
+    assert _cache_keyword(Renamed) == "past_key_values" and _cache_keyword(Current) == "cache"
+    cache, logits, attn, next_pos = _prefill(tiny_hf.model, [[5, 6, 7], [8, 9]], tiny_hf.tokenizer.pad_token_id, "cpu")
+    assert cache.get_seq_length() == 3 and logits.shape[0] == 2 and next_pos.tolist() == [3, 2]
