@@ -170,6 +170,16 @@ class TaskSection(_Section):
     partial_credit: float = Field(0.5, ge=0.0, lt=1.0, description="Reward weight of per-digit credit (0: exact only).")
     split_seed: int = Field(1234, ge=0, description="Seed of the train / held-out split (fixed across runs).")
     max_prompt_tokens: int = Field(1024, ge=8, description="Prompts longer than this are refused.")
+    stop_at_newline: bool | None = Field(
+        None,
+        description="End each response (rollouts and evaluation) at a newline token, as well as at EOS: for one-line "
+        "answers. null: on for kind arithmetic, off for dataset (answers that reason over several lines, as GSM8K's do "
+        "before '#### n').",
+    )
+
+    def newline_stop(self) -> bool:
+        """Whether responses end at a newline token (`stop_at_newline`, resolved by the task's kind)."""
+        return self.kind == "arithmetic" if self.stop_at_newline is None else self.stop_at_newline
 
 
 class DataSection(_Section):
@@ -565,7 +575,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, sou
 # Fields added after runs were frozen without them, each with the value that reproduces how such a run trained. A
 # frozen config.json holds every field of its day, so one that lacks a field is older than the field; its new default
 # would change a resumed or replayed run.
-FIELDS_ADDED: dict[tuple[str, str], Any] = {("train", "skip_zero_advantage"): False}
+FIELDS_ADDED: dict[tuple[str, str], Any] = {
+    ("train", "skip_zero_advantage"): False,
+    ("task", "stop_at_newline"): True,  # every response ended at a newline before the field
+}
 
 
 def upgrade_frozen(data: dict) -> dict:

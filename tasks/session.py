@@ -299,7 +299,9 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
             eos_token_id=tokenizer.eos_token_id,
         )
     train_prompts, train_ids, _, _ = task_prompts(cfg, tokenizer)
-    seqs = [tokenizer(p.text + p.answer + "\n", add_special_tokens=False)["input_ids"] for p in train_prompts]
+    # each answer ends as the task's responses do: at a newline (one-line answers), else at EOS
+    end, stop = ("\n", []) if cfg.task.newline_stop() else ("", [tokenizer.eos_token_id])
+    seqs = [tokenizer(p.text + p.answer + end, add_special_tokens=False)["input_ids"] + stop for p in train_prompts]
     b = cfg.bootstrap
     stop_when = None
     if b.target_accuracy is not None:  # checked on training prompts: the held-out split stays unseen
@@ -313,6 +315,7 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
                 [train_prompts[i] for i in check],
                 cfg.eval.max_new_tokens,
                 cfg.task.reward,
+                cfg.task.newline_stop(),
             )
             return acc >= b.target_accuracy
 
@@ -362,8 +365,10 @@ def accuracy(
     prompts: list[arithmetic.Prompt],
     max_new_tokens: int,
     reward_kind: str = "arithmetic",
+    stop_at_newline: bool = True,
 ) -> float:
-    """Fraction of greedy answers the task's reward scores as correct (exact match for arithmetic)."""
+    """Fraction of greedy answers the task's reward scores as correct (exact match for arithmetic); an answer ends
+    at EOS, and at a newline token with `stop_at_newline`."""
     was_training = model.training
     outs = greedy_answers(
         model,
@@ -371,7 +376,7 @@ def accuracy(
         max_new_tokens=max_new_tokens,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        stop_token_id=single_token_id(tok, "\n"),
+        stop_token_id=single_token_id(tok, "\n") if stop_at_newline else None,
     )
     model.train(was_training)
     hits = sum(
@@ -389,6 +394,7 @@ def evaluate(session: RunSession) -> float:
         session.eval_prompts,
         session.cfg.eval.max_new_tokens,
         session.cfg.task.reward,
+        session.cfg.task.newline_stop(),
     )
 
 
@@ -557,6 +563,7 @@ def _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, l
         reward_kind=cfg.task.reward,
         compression=cfg.lake.compression,
         engine=cfg.rollout.engine,
+        stop_at_newline=cfg.task.newline_stop(),
         vllm={
             "dtype": cfg.rollout.vllm_dtype,
             "gpu_memory_utilization": cfg.rollout.vllm_gpu_memory_utilization,

@@ -52,6 +52,7 @@ class WorkerSpec:
     reward_kind: str
     prompts: list[tuple[int, str, str, list[int]]] = field(repr=False)  # (prompt_id, text, answer, token ids)
     engine: str = "builtin"  # builtin | vllm
+    stop_at_newline: bool = True  # a response also ends at a newline token (`task.stop_at_newline`)
     vllm: dict = field(default_factory=dict)  # VLLMEngine keyword arguments
 
 
@@ -186,7 +187,7 @@ class _Worker:
             self.model, self.tokenizer = load_hf(spec.model_dir)
             self.model.requires_grad_(False)
         self.version: int | None = None
-        stop_id = single_token_id(self.tokenizer, "\n")
+        stop_id = single_token_id(self.tokenizer, "\n") if spec.stop_at_newline else None
         self.params = SamplingParams(spec.max_new_tokens, spec.temperature, spec.top_p, stop_on_newline_id=stop_id)
         self.prompts = {p[0]: p for p in spec.prompts}
         self.pending: tuple[int, str] | None = None  # the newest (version, checkpoint) announced, not yet loaded

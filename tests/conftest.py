@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 # Before Prefect, MLflow or tokenizers are imported anywhere in the session.
@@ -22,6 +23,10 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# torch makes its compile cache folder in the temporary folder as torch._dynamo is first imported (transformers imports
+# it when it builds a model): imported here, before a test moves the temporary folder to see what the code leaves
+# there, so that such a test run alone does not find torch's folder among its own
+importlib.import_module("torch._dynamo")
 torch.set_num_threads(1)
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)

@@ -102,7 +102,8 @@ def test_the_sft_trains_on_answers_with_their_newline_and_stops_at_the_target_on
     )
     checked = []
 
-    def accuracy(model, tok, token_ids, prompts, max_new_tokens, reward_kind):
+    def accuracy(model, tok, token_ids, prompts, max_new_tokens, reward_kind, stop_at_newline):
+        assert stop_at_newline  # arithmetic: one-line answers
         checked.append([p.prompt_id for p in prompts])
         return 0.5
 
@@ -121,6 +122,37 @@ def test_the_sft_trains_on_answers_with_their_newline_and_stops_at_the_target_on
     tok = build_char_tokenizer()
     train, _, _, _ = session_module.task_prompts(cfg, tok)
     assert seqs == [tok(p.text + p.answer + "\n", add_special_tokens=False)["input_ids"] for p in train]
+
+
+def test_without_a_newline_stop_the_sft_answers_end_at_eos_and_the_check_does_not_stop_at_newlines(
+    tmp_path, monkeypatch
+):
+    """Where responses end at EOS only (`task.stop_at_newline: false`, a dataset's default), the SFT must teach EOS
+    after the answer: ending it with a newline would teach no end the decoding stops at."""
+    cfg = _cfg(
+        tmp_path / "lake",
+        "task.stop_at_newline=false",
+        "bootstrap.steps=1",
+        "bootstrap.check_every=1",
+        "bootstrap.target_accuracy=0.5",
+    )
+    stops, seqs, real_sft = [], [], session_module.sft
+
+    def accuracy(model, tok, token_ids, prompts, max_new_tokens, reward_kind, stop_at_newline):
+        stops.append(stop_at_newline)
+        return 0.0
+
+    def sft(model, sequences, **kw):
+        seqs.extend(sequences)
+        return real_sft(model, sequences, **kw)
+
+    monkeypatch.setattr(session_module, "accuracy", accuracy)
+    monkeypatch.setattr(session_module, "sft", sft)
+    session_module.bootstrap_v0(cfg, Lake(cfg.lake.uri))
+    assert stops == [False]
+    tok = build_char_tokenizer()
+    train, _, _, _ = session_module.task_prompts(cfg, tok)
+    assert seqs == [tok(p.text + p.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for p in train]
 
 
 @pytest.mark.parametrize(

@@ -799,6 +799,20 @@ def test_a_quoted_integer_keeps_its_value():
     assert load_config(None, ['trainer.lr="3e-4"']).trainer.lr == 3e-4
 
 
+def test_the_newline_stop_follows_the_tasks_kind_unless_set():
+    """Arithmetic answers are one line; a dataset's (GSM8K: steps, then '#### n') are not, and a newline stop cut them
+    at their first step. A frozen config from before the field read every response to its first newline."""
+    assert load_config(None, []).task.newline_stop() is True
+    dataset = ["task.kind=dataset", "task.dataset.uri=x.jsonl", "task.reward=math_verify"]
+    assert load_config(None, dataset).task.newline_stop() is False
+    assert load_config(None, [*dataset, "task.stop_at_newline=true"]).task.newline_stop() is True
+    assert load_config(None, ["task.stop_at_newline=false"]).task.newline_stop() is False
+    old = json.loads(resolved_json(load_config(None, dataset)))
+    assert old["task"]["stop_at_newline"] is None
+    del old["task"]["stop_at_newline"]
+    assert frozen_config(old).task.newline_stop() is True
+
+
 def test_a_frozen_config_older_than_a_field_reads_as_its_run_trained():
     """A run's config.json holds every field of its day: one written before `train.skip_zero_advantage` existed
     trained every group, so it reads as false (not today's default, true), through replay's `frozen_config` and

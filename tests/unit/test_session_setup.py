@@ -251,6 +251,7 @@ def test_a_session_on_an_object_store_keeps_its_v0_copy_only_while_it_is_open(ob
         assert os.path.dirname(spec.model_dir) == s.local_copies
         verify_checkpoint(Lake(s.local_copies), spec.model_dir)
         assert "model.safetensors" in os.listdir(spec.model_dir)
+        assert spec.stop_at_newline is True  # the arithmetic task's one-line answers
     finally:
         s.close()
         session_module.unregister(s.run_id)

@@ -78,7 +78,10 @@ def test_the_arithmetic_held_out_prompts_are_fixed_texts():
 def test_evaluate_scores_the_held_out_prompts_at_the_eval_token_budget(monkeypatch):
     calls = []
     monkeypatch.setattr(session_module, "accuracy", lambda *args: calls.append(args) or 0.75)
-    cfg = load_config(None, ["eval.max_new_tokens=7", "rollout.max_new_tokens=9", "task.reward=math_verify"])
+    cfg = load_config(
+        None,
+        ["eval.max_new_tokens=7", "rollout.max_new_tokens=9", "task.reward=math_verify", "task.stop_at_newline=false"],
+    )
     s = SimpleNamespace(
         cfg=cfg,
         trainer=SimpleNamespace(model="model"),
@@ -89,7 +92,7 @@ def test_evaluate_scores_the_held_out_prompts_at_the_eval_token_budget(monkeypat
         eval_token_ids=[[2]],
     )
     assert session_module.evaluate(s) == 0.75
-    assert calls == [("model", "tok", [[2]], ["held-out"], 7, "math_verify")]
+    assert calls == [("model", "tok", [[2]], ["held-out"], 7, "math_verify", False)]
 
 
 def test_accuracy_counts_exact_answers_and_leaves_the_model_in_its_mode(tiny_hf, monkeypatch):
@@ -107,6 +110,20 @@ def test_accuracy_counts_exact_answers_and_leaves_the_model_in_its_mode(tiny_hf,
         model.train(training)
         assert session_module.accuracy(model, tok, [[1], [2]], prompts, 4) == 0.5
         assert model.training is training
+
+
+def test_accuracy_ends_answers_at_a_newline_only_when_asked(tiny_hf, monkeypatch):
+    tok, stops = tiny_hf.tokenizer, []
+
+    def greedy(m, ids, **kw):
+        stops.append(kw["stop_token_id"])
+        return [tok("12", add_special_tokens=False)["input_ids"]]
+
+    monkeypatch.setattr(session_module, "greedy_answers", greedy)
+    prompts = [SimpleNamespace(answer="12")]
+    assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4) == 1.0
+    assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4, "arithmetic", stop_at_newline=False) == 1.0
+    assert stops == [tok("\n", add_special_tokens=False)["input_ids"][0], None]
 
 
 def test_resume_sets_aside_only_the_rollouts_of_versions_newer_than_the_promoted_one(tmp_path):

@@ -686,3 +686,16 @@ def test_the_rollout_schemas_column_types_are_pinned():
         "seed": "int64",
         "created_at": "timestamp[ms, tz=UTC]",
     }
+
+
+def test_a_worker_ends_responses_at_a_newline_only_when_its_task_asks(worker):  # noqa: F811
+    """One-line answers (arithmetic) end at a newline token; a task whose answers reason over several lines (GSM8K's
+    steps before '#### n') ends them at EOS only: a newline stop cut them at their first step."""
+    newline = worker.tokenizer("\n", add_special_tokens=False)["input_ids"]
+    assert worker.params.stop_on_newline_id == newline[0] and len(newline) == 1
+    multi_line = _Worker(0, replace(worker.spec, stop_at_newline=False), queue.Queue(), os.getppid())
+    assert multi_line.params.stop_on_newline_id is None
+    assert (multi_line.params.max_new_tokens, multi_line.params.temperature) == (
+        worker.params.max_new_tokens,
+        worker.params.temperature,
+    )
