@@ -76,10 +76,13 @@ def greedy_answers(
     eos_token_id: int,
     pad_token_id: int,
     stop_token_id: int | None = None,
+    other_eos_ids: tuple[int, ...] = (),
     batch_size: int = 64,
 ) -> list[list[int]]:
     """Greedy responses (token ids) for each prompt, in batches; deterministic."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True, stop_on_newline_id=stop_token_id)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, greedy=True, stop_on_newline_id=stop_token_id, other_eos_ids=other_eos_ids
+    )
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]

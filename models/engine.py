@@ -42,6 +42,7 @@ class SamplingParams:
     top_p: float = 1.0
     greedy: bool = False
     stop_on_newline_id: int | None = field(default=None)  # optional extra stop token (treated like EOS)
+    other_eos_ids: tuple[int, ...] = ()  # the model's end ids beside the tokenizer's EOS (`models.tiny.other_eos_ids`)
 
 
 def _sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -129,7 +130,8 @@ def generate_groups(
     N = n * G
     flat_seeds = [s for row in seeds for s in row]
     gens = [torch.Generator().manual_seed(s) for s in flat_seeds]
-    stop_ids = {eos_token_id} | ({params.stop_on_newline_id} if params.stop_on_newline_id is not None else set())
+    stop_ids = {eos_token_id, *params.other_eos_ids}
+    stop_ids |= {params.stop_on_newline_id} if params.stop_on_newline_id is not None else set()
     tokens: list[list[int]] = [[] for _ in range(N)]
     logps: list[list[float]] = [[] for _ in range(N)]
     versions: list[list[int]] = [[] for _ in range(N)]

@@ -105,6 +105,15 @@ def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: st
     return path
 
 
+def other_eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
+    """The ids a model's generation config ends a sequence at besides the tokenizer's EOS (Qwen2.5's instruct models:
+    `<|endoftext|>` beside `<|im_end|>`). vLLM stops at all of them: the built-in engine, which evaluates, must too,
+    or it decodes past the end of an answer."""
+    ids = getattr(generation_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return tuple(sorted(set(ids) - {tokenizer.eos_token_id}))
+
+
 def single_token_id(tokenizer, text: str) -> int:
     """The id of a string that encodes to exactly one token (e.g. the newline that ends an answer)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -28,7 +28,14 @@ from configs.schema import Config, flatten, resolved_json
 from models import arithmetic
 from models.bootstrap import greedy_answers, sft
 from models.rewards import score
-from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, load_hf, single_token_id
+from models.tiny import (
+    DEFAULT_ALPHABET,
+    build_char_tokenizer,
+    build_tiny_model,
+    load_hf,
+    other_eos_ids,
+    single_token_id,
+)
 from models.trainer import LossSettings, PolicyTrainer
 from storage import checkpoints, lease, scratch
 from storage.datasets import DatasetError
@@ -377,6 +384,7 @@ def accuracy(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         stop_token_id=single_token_id(tok, "\n") if stop_at_newline else None,
+        other_eos_ids=other_eos_ids(getattr(model, "generation_config", None), tok),
     )
     model.train(was_training)
     hits = sum(

@@ -162,6 +162,16 @@ def _exit_with_parent(parent: int, period_s: float = 0.2) -> None:
     threading.Thread(target=watch, name="lockstep-parent-watch", daemon=True).start()
 
 
+def _generation_config(model_dir: str):
+    """The model directory's generation config (None without one), as `from_pretrained` would read it."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json
+        return None
+
+
 class _Worker:
     """The state of one worker process: engine, weights, and the version it holds."""
 
@@ -170,7 +180,7 @@ class _Worker:
 
         torch.set_num_threads(spec.threads)
         from models.engine import SamplingParams
-        from models.tiny import load_hf, single_token_id
+        from models.tiny import load_hf, other_eos_ids, single_token_id
         from storage.lake import Lake
 
         self.id, self.spec, self.commands, self.parent = worker_id, spec, commands, parent
@@ -183,12 +193,20 @@ class _Worker:
 
             self.vllm = VLLMEngine(spec.model_dir, seed=spec.run_seed, **spec.vllm)
             self.model, self.tokenizer = None, AutoTokenizer.from_pretrained(spec.model_dir)
+            generation_config = _generation_config(spec.model_dir)
         else:
             self.model, self.tokenizer = load_hf(spec.model_dir)
             self.model.requires_grad_(False)
+            generation_config = self.model.generation_config
         self.version: int | None = None
         stop_id = single_token_id(self.tokenizer, "\n") if spec.stop_at_newline else None
-        self.params = SamplingParams(spec.max_new_tokens, spec.temperature, spec.top_p, stop_on_newline_id=stop_id)
+        self.params = SamplingParams(
+            spec.max_new_tokens,
+            spec.temperature,
+            spec.top_p,
+            stop_on_newline_id=stop_id,
+            other_eos_ids=other_eos_ids(generation_config, self.tokenizer),
+        )
         self.prompts = {p[0]: p for p in spec.prompts}
         self.pending: tuple[int, str] | None = None  # the newest (version, checkpoint) announced, not yet loaded
         self.load_s = 0.0

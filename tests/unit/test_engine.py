@@ -289,7 +289,7 @@ def test_without_stop_samples_run_to_the_length_limit(model, prompts):
     assert all(s.finish_reason == "length" and len(s.response_ids) == len(s.logprobs) == 5 for g in groups for s in g)
 
 
-@pytest.mark.parametrize("how", ["eos", "stop_id"])
+@pytest.mark.parametrize("how", ["eos", "stop_id", "other_eos"])
 def test_stop_token_mid_stream_truncates_only_that_sample(model, prompts, how):
     free = generate(model, prompts, SamplingParams(max_new_tokens=8), eos=999)
     # a token that sample 0 first emits at position 2 or later
@@ -297,8 +297,10 @@ def test_stop_token_mid_stream_truncates_only_that_sample(model, prompts, how):
     stop = next(t for i, t in enumerate(first) if i >= 2 and t not in first[:i])
     if how == "eos":
         stopped = generate(model, prompts, SamplingParams(max_new_tokens=8), eos=stop)
-    else:
+    elif how == "stop_id":
         stopped = generate(model, prompts, SamplingParams(max_new_tokens=8, stop_on_newline_id=stop), eos=999)
+    else:  # another end id of the model's generation config
+        stopped = generate(model, prompts, SamplingParams(max_new_tokens=8, other_eos_ids=(998, stop)), eos=999)
     n_stopped = 0
     for gf, gs in zip(free, stopped, strict=True):
         for f, s in zip(gf, gs, strict=True):

@@ -116,14 +116,15 @@ def test_accuracy_ends_answers_at_a_newline_only_when_asked(tiny_hf, monkeypatch
     tok, stops = tiny_hf.tokenizer, []
 
     def greedy(m, ids, **kw):
-        stops.append(kw["stop_token_id"])
+        stops.append((kw["stop_token_id"], kw["other_eos_ids"]))
         return [tok("12", add_special_tokens=False)["input_ids"]]
 
     monkeypatch.setattr(session_module, "greedy_answers", greedy)
     prompts = [SimpleNamespace(answer="12")]
     assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4) == 1.0
+    tiny_hf.model.generation_config.eos_token_id = [tok.eos_token_id, 9]  # an end of the model's beside EOS
     assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4, "arithmetic", stop_at_newline=False) == 1.0
-    assert stops == [tok("\n", add_special_tokens=False)["input_ids"][0], None]
+    assert stops == [(tok("\n", add_special_tokens=False)["input_ids"][0], ()), (None, (9,))]
 
 
 def test_resume_sets_aside_only_the_rollouts_of_versions_newer_than_the_promoted_one(tmp_path):

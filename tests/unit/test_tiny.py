@@ -9,7 +9,7 @@ import torch
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
-from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, single_token_id
+from models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, other_eos_ids, single_token_id
 
 TINY = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16)
 PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n\t"  # every printable ASCII character, '~' (126) last
@@ -98,3 +98,20 @@ def test_build_tiny_model_is_seeded_and_leaves_the_global_rng_alone():
         torch.manual_seed(123)
         build_tiny_model(40, seed=7, **TINY)
         assert torch.equal(torch.rand(4), expected)
+
+
+def test_other_eos_ids_are_the_generation_configs_ends_beside_the_tokenizers():
+    """Qwen2.5's instruct models end at <|im_end|> (the tokenizer's EOS) and at <|endoftext|> (its generation
+    config's list has both); vLLM stops at both, so the built-in engine must too."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    tok = SimpleNamespace(eos_token_id=151645)
+    assert other_eos_ids(GenerationConfig(eos_token_id=[151645, 151643]), tok) == (151643,)
+    assert other_eos_ids(GenerationConfig(eos_token_id=[151643, 7, 151643]), tok) == (7, 151643)
+    assert other_eos_ids(GenerationConfig(eos_token_id=151645), tok) == ()
+    assert other_eos_ids(GenerationConfig(eos_token_id=151643), tok) == (151643,)
+    assert other_eos_ids(GenerationConfig(), tok) == () and other_eos_ids(None, tok) == ()
+    tiny = build_char_tokenizer()
+    assert other_eos_ids(build_tiny_model(len(tiny), seed=0).generation_config, tiny) == ()  # the demo's: one end

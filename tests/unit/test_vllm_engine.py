@@ -207,6 +207,10 @@ def test_greedy_asks_for_temperature_zero_and_no_newline_stop_when_none_is_given
     (llm,) = FakeLLM.instances
     engine.generate_groups([[7]], 2, SamplingParams(max_new_tokens=3, greedy=True), [[1, 2]], EOS, 0)
     assert [(sp.temperature, sp.stop_token_ids) for _, sp in llm.requests] == [(0.0, [EOS]), (0.0, [EOS])]
+    llm.requests.clear()  # the model's other end ids stop it as EOS does (and its finish reason is "stop")
+    [[sample]] = engine.generate_groups([[7]], 1, SamplingParams(max_new_tokens=9, other_eos_ids=(6,)), [[3]], EOS, 0)
+    assert llm.requests[0][1].stop_token_ids == [EOS, 6]
+    assert sample.response_ids[-1] in (EOS, 6) and sample.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("seeds", [[[1, 2]], [[1, 2], [3]], [[1, 2], [3, 4, 5]]])

@@ -699,3 +699,17 @@ def test_a_worker_ends_responses_at_a_newline_only_when_its_task_asks(worker):  
         worker.params.max_new_tokens,
         worker.params.temperature,
     )
+
+
+def test_a_worker_stops_at_its_models_other_end_ids(worker, tmp_path):  # noqa: F811
+    """The built-in engine ends a response at every end id of the model's generation config, as vLLM does (read from
+    the model directory for a vLLM worker, which loads no Hugging Face model of its own)."""
+    from models.tiny import save_hf
+
+    assert worker.params.other_eos_ids == ()  # the tiny model's one end: the tokenizer's EOS
+    worker.model.generation_config.eos_token_id = [worker.tokenizer.eos_token_id, 11]
+    save_hf(worker.model, worker.tokenizer, tmp_path / "ends")
+    assert tasks.workers._generation_config(str(tmp_path / "ends")).eos_token_id == [worker.tokenizer.eos_token_id, 11]
+    assert tasks.workers._generation_config(str(tmp_path)) is None  # no generation_config.json
+    again = _Worker(0, replace(worker.spec, model_dir=str(tmp_path / "ends")), queue.Queue(), os.getppid())
+    assert again.params.other_eos_ids == (11,)
