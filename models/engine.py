@@ -130,6 +130,7 @@ def generate_groups(
     N = n * G
     flat_seeds = [s for row in seeds for s in row]
     gens = [torch.Generator().manual_seed(s) for s in flat_seeds]
+    cache_keyword = _cache_keyword(type(model))  # once, not per decode step
     stop_ids = {eos_token_id, *params.other_eos_ids}
     stop_ids |= {params.stop_on_newline_id} if params.stop_on_newline_id is not None else set()
     tokens: list[list[int]] = [[] for _ in range(N)]
@@ -179,7 +180,7 @@ def generate_groups(
             attention_mask=attn,
             position_ids=next_pos.unsqueeze(-1),
             use_cache=True,
-            **{_cache_keyword(type(model)): cache},
+            **{cache_keyword: cache},
         )
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
