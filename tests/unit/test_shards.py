@@ -14,6 +14,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
@@ -24,8 +25,10 @@ from storage.shards import (
     SCHEMA_VERSION,
     SampleRecord,
     ShardError,
+    _content_checksum,
     read_shard,
     record_dict,
+    records_to_table,
     table_to_records,
     write_shard,
 )
@@ -407,6 +410,28 @@ def test_every_single_bit_flip_is_detected_or_harmless():
         env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+
+
+def test_a_shard_whose_checksum_matches_its_broken_offsets_is_refused(local_lake):
+    """A file consistent with its own checksum but with an interior list offset past the values (a writer's bug or a
+    crafted file; a random flip there fails the checksum, as the sweep above shows) is refused before a row is
+    decoded. Only full validation reads interior offsets: the checksum's serialisation reads the first and last."""
+    table = records_to_table(make_records(n_groups=1, group_size=3, resp_len=3, prompt_len=3))
+    column = table.column("response_ids").chunk(0)
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[: len(column) + 1].copy()
+    assert offsets.tolist() == [0, 3, 7, 12]
+    offsets[1] = 10**6
+    broken = pa.Array.from_buffers(
+        column.type, len(column), [None, pa.py_buffer(offsets.tobytes())], children=[column.values]
+    )
+    table = table.set_column(table.schema.get_field_index("response_ids"), table.schema.field("response_ids"), broken)
+    stamped = {"lockstep.schema_version": SCHEMA_VERSION, "lockstep.sha256": _content_checksum(table)}
+    path = shard_path(local_lake)
+    local_lake.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with local_lake.fs.open(path, "wb") as f, ipc.new_file(f, table.schema) as w:
+        w.write_table(table.replace_schema_metadata(stamped))
+    with pytest.raises(ShardError, match=f"shard {path} is unreadable .* offset for slot 1 out of bounds"):
+        read_shard(local_lake, path)
 
 
 def test_quarantine_folders_are_never_reused(local_lake):
