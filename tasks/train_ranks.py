@@ -60,7 +60,15 @@ class RankSpec:
 
 
 def _rank_device(device_type: str, rank: int) -> torch.device:
-    return torch.device("cpu") if device_type == "cpu" else torch.device(device_type, rank)
+    """Rank r's device (accelerator r), made the process's current one: NCCL and HCCL build their communicators
+    on the current device, which is device 0 in a new process."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    if device_type == "npu":
+        import torch_npu  # noqa: F401  (registers the device type; a spawned rank starts from a bare interpreter)
+    device = torch.device(device_type, rank)
+    torch.get_device_module(device).set_device(device)
+    return device
 
 
 def signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
@@ -102,8 +110,6 @@ def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn, parent: i
     torch.set_num_threads(spec.threads)
     try:
         device = _rank_device(spec.device_type, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         trainer = _build_replica(spec, device)
         store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
         conn.send(("built", signature(trainer.model)))  # connected to rank 0's store: what is left is the rendezvous

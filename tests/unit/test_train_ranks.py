@@ -339,3 +339,40 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+_FAKE_NPU = """
+import torch
+
+CURRENT = []
+
+
+class _NPU:  # the part of torch_npu's device module a rank uses
+    @staticmethod
+    def set_device(device):
+        CURRENT.append(str(device))
+
+
+torch.utils.rename_privateuse1_backend("npu")
+torch._register_device_module("npu", _NPU)
+"""
+
+
+def test_an_accelerator_rank_makes_its_own_device_current(tmp_path):
+    """Rank r trains on accelerator r and makes it current before its collectives start (NCCL and HCCL build their
+    communicators there; a new process's current device is 0). For NPU the rank first imports torch_npu, which
+    registers the device type in the bare interpreter a spawned rank starts from: here a stand-in torch_npu, in a
+    child process, as registering a device type cannot be undone."""
+    (tmp_path / "torch_npu.py").write_text(_FAKE_NPU)
+    script = (
+        "import torch\n"
+        "from tasks.train_ranks import _rank_device\n"
+        "cpu = _rank_device('cpu', 1)\n"
+        "device = _rank_device('npu', 2)\n"
+        "import torch_npu\n"
+        "print(cpu, device, torch_npu.CURRENT)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).parents[2]}"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == "cpu npu:2 ['npu:2']"
