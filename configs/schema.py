@@ -7,6 +7,7 @@ A bad config fails at load, before any work, with the file, the field's dotted p
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import typing
 from pathlib import Path
@@ -357,7 +358,7 @@ class EvalSection(_Section):
 
 
 class TrackingSection(_Section):
-    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (SQLite file by default).")
+    uri: str = Field("sqlite:///mlflow.db", min_length=1, description="MLflow tracking URI (SQLite file by default).")
     experiment: str | None = Field(None, min_length=1, description="MLflow experiment; default: run.name.")
     enabled: bool = Field(True, description="Log to MLflow.")
     prefect_artifacts: bool = Field(
@@ -523,15 +524,45 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
+_PATTERN_WORDS = {  # the name patterns above, in words
+    r"^[A-Za-z0-9][A-Za-z0-9._-]*$": "letters, digits, '.', '_' and '-' only, the first a letter or digit",
+    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$": (
+        "letters, digits, '.', '_' and '-' only, the first a letter or digit, at most 128 characters"
+    ),
+}
+
+
+def _section_keys(loc: tuple) -> list[str]:
+    """The keys the section at `loc` (a path of field names from the top) takes; [] where `loc` is no section."""
+    model: Any = Config
+    for name in loc:
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        sections = [t for t in _flat_types(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        if field is None or not sections:
+            return []
+        model = sections[0]
+    return list(model.model_fields)
+
+
+def _format_errors(err: ValidationError, source: str, overrides: dict[str, str] | None = None) -> str:
+    """One line per error: the field's dotted path, the reason, the value given; the `-o` override that set it (not
+    the file); for an unknown key, the keys its section takes."""
+    overrides = overrides or {}
+    lines = [f"invalid config {source}" + (" with its overrides:" if overrides else ":")]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "string_pattern_mismatch":
+            msg = _PATTERN_WORDS.get(e.get("ctx", {}).get("pattern"), msg)
         # a cross-field error's input is the whole config or section: the message names the fields instead
         cross_field = e["type"] == "value_error" and isinstance(e.get("input"), dict)
         got = "" if e["type"] == "missing" or not e["loc"] or cross_field else f" (got {e.get('input')!r})"
-        lines.append(f"  {loc}: {msg}{got}")
+        if e["type"] == "extra_forbidden" and (keys := _section_keys(e["loc"][:-1])):
+            close = difflib.get_close_matches(str(e["loc"][-1]), keys, n=1)
+            got += (f"; did you mean {close[0]!r}?" if close else "") + f" (this section takes: {', '.join(keys)})"
+        by = next((item for key, item in overrides.items() if f"{key}.".startswith(f"{loc}.")), None)
+        by = by or next((item for key, item in overrides.items() if f"{loc}.".startswith(f"{key}.")), None)
+        lines.append(f"  {loc}: {msg}{got}" + (f" (set by -o {by})" if by else ""))
     return "\n".join(lines)
 
 
@@ -564,12 +595,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, sou
             raise ConfigError(
                 f"config file {source}: the top level must be a mapping of sections, got {type(data).__name__}"
             )
-    for key, value in parse_overrides(overrides or []):
+    given = {}
+    for (key, value), item in zip(parse_overrides(overrides or []), overrides or [], strict=True):
         _set_path(data, key, value, f"{key}={value}")
+        given[key] = item
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(_format_errors(e, source, given)) from None
 
 
 # Fields added after runs were frozen without them, each with the value that reproduces how such a run trained. A

@@ -14,6 +14,8 @@ import pytest
 from configs.schema import (
     Config,
     ConfigError,
+    DatasetSection,
+    TrainerSection,
     flatten,
     frozen_config,
     load_config,
@@ -706,10 +708,10 @@ def test_run_name_length_and_run_id_first_character():
     )
     assert load_config(None, ["run.run_id=r" + "x" * 127]).run.run_id == "r" + "x" * 127
     # a run id is a directory name in the lake and a CLI argument: no hidden (.x) or flag-like (-x) ids
-    for bad in [".hidden", "-x", "_x", "r" + "x" * 128]:
-        assert f"run.run_id: String should match pattern '^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$' (got {bad!r})" in (
-            load_error(None, [f"run.run_id={bad}"])
-        )
+    words = "letters, digits, '.', '_' and '-' only, the first a letter or digit"  # not the pattern's regex
+    for bad in [".hidden", "-x", "_x", "r" + "x" * 128, "../etc", "my run"]:
+        assert f"run.run_id: {words}, at most 128 characters (got {bad!r})" in load_error(None, [f"run.run_id={bad}"])
+    assert f"run.name: {words} (got 'my run')" in load_error(None, ["run.name=my run"])
 
 
 def test_iterations_must_be_at_least_one():
@@ -781,7 +783,53 @@ def test_override_key_is_stripped():
 
 def test_missing_required_field_is_named_without_the_section():
     msg = load_error(None, ["task.kind=dataset", "task.dataset={split: train}"])
-    assert msg == "invalid config (defaults):\n  task.dataset.uri: Field required"
+    assert msg == (
+        "invalid config (defaults) with its overrides:\n"
+        "  task.dataset.uri: Field required (set by -o task.dataset={split: train})"
+    )
+
+
+def test_an_error_names_the_override_that_set_the_field_not_the_file(tmp_path):
+    p = write(tmp_path, "run:\n  iterations: 2\ntrainer:\n  lr: 0.5\n")
+    msg = load_error(p, ["run.iterations=abc", "trainer={lr: -1}", "run.seed=1", "rollout.group_size=1"])
+    assert msg.splitlines() == [
+        f"invalid config {p} with its overrides:",
+        "  run.iterations: Input should be a valid integer, unable to parse string as an integer (got 'abc') "
+        "(set by -o run.iterations=abc)",
+        "  trainer.lr: Input should be greater than 0 (got -1) (set by -o trainer={lr: -1})",
+    ]
+    assert load_error(p, ["rollout.group_size=-1"]).splitlines() == [
+        f"invalid config {p} with its overrides:",
+        "  rollout.group_size: Input should be greater than or equal to 1 (got -1) (set by -o rollout.group_size=-1)",
+    ]
+    p = write(tmp_path, "run:\n  iterations: abc\n")
+    assert load_error(p, ["run.seed=1"]).splitlines() == [
+        f"invalid config {p} with its overrides:",
+        "  run.iterations: Input should be a valid integer, unable to parse string as an integer (got 'abc')",
+    ]
+
+
+def test_an_unknown_key_is_named_with_the_keys_its_section_takes(tmp_path):
+    p = write(tmp_path, "trainer:\n  lrr: 1\nrun:\n  iterz: 3\n")
+    msg = load_error(p).splitlines()
+    trainer_keys = ", ".join(TrainerSection.model_fields)
+    assert msg == [
+        f"invalid config {p}:",
+        "  run.iterz: Extra inputs are not permitted (got 3) (this section takes: name, run_id, seed, iterations)",
+        f"  trainer.lrr: Extra inputs are not permitted (got 1); did you mean 'lr'? (this section takes: {trainer_keys})",
+    ]
+    msg = load_error(None, ["trainr.lr=1e-5", "task.dataset.urix=a"])
+    top = ", ".join(Config.model_fields)
+    dataset = ", ".join(DatasetSection.model_fields)
+    assert (
+        f"  trainr: Extra inputs are not permitted (got {{'lr': '1e-5'}}); did you mean 'trainer'? (this section "
+        f"takes: {top}) (set by -o trainr.lr=1e-5)"
+    ) in msg.splitlines()
+    assert (
+        "  task.dataset.urix: Extra inputs are not permitted (got 'a'); did you mean 'uri'? (this section takes: "
+        f"{dataset}) (set by -o task.dataset.urix=a)"
+    ) in msg.splitlines()
+    assert "uri, format, split" in dataset and "run, lake, model" in top
 
 
 def test_later_override_wins():
