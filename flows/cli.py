@@ -149,6 +149,7 @@ def _error(console, message: str) -> None:
 
 def _run_flow(console, config_path: str, overrides: list[str], resume: bool, source: str | None = None) -> int:
     from configs.schema import ConfigError, load_config
+    from storage.lake import Lake
     from tasks.preflight import check_backend, check_inputs, check_prefect_api
 
     try:
@@ -156,6 +157,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
         check_backend(cfg)  # first, as in open_session: a missing extra is the first thing to install
         if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
             check_inputs(cfg)  # the model and dataset it names exist and read
+            _refuse_memory(Lake(cfg.lake.uri))  # (resume's --lake was refused already)
         check_prefect_api()  # the tracking store is checked by the flow, before it writes the run
     except ConfigError as e:
         _error(console, str(e))
@@ -249,8 +251,21 @@ def _lake(uri: str):
     from storage.lake import Lake
 
     lake = Lake(uri)
+    _refuse_memory(lake)
     lake.check_reachable()
     return lake
+
+
+def _refuse_memory(lake) -> None:
+    """A memory:// lake (the tests' in-process store) is empty in a command's new process, and a run's rollout
+    workers, processes of their own, would each write to one of their own: refused with what to give instead."""
+    from storage.lake import LakeURLError
+
+    if lake.protocol == "memory":
+        raise LakeURLError(
+            f"lake {lake.uri!r} lives in one process's memory (memory:// is for tests): a command would find it "
+            "empty and a run's rollout workers could not share it; give a folder or an object store (s3://...)"
+        )
 
 
 def _run_created(lake_uri: str, run_id: str) -> bool:
@@ -265,10 +280,23 @@ def _run_created(lake_uri: str, run_id: str) -> bool:
         return True
 
 
+def _frozen_setting(lake, config_path: str, section: str, field: str):
+    """One setting of a run's frozen config.json as written (None if absent or unreadable: only for messages)."""
+    import json
+
+    try:
+        with lake.fs.open(config_path, "rb") as f:
+            return json.load(f).get(section, {}).get(field)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _run_config_path(lake, run_id: str) -> str:
     """The frozen config of a run, which every run in a lake has from its start; FileNotFoundError if absent."""
     path = f"{lake.run_dir(run_id)}/config.json"  # run_dir validates the id (ValueError)
     if not lake.fs.exists(path):
+        if lake.is_local and not lake.fs.isdir(lake.root):  # (a file there was refused by check_reachable)
+            raise FileNotFoundError(f"lake {lake.uri} does not exist (no folder {lake.root}); give the lake's folder")
         raise FileNotFoundError(
             f"run {run_id} does not exist in lake {lake.uri} ({path} is missing); "
             f"`lockstep runs --lake {lake.uri}` lists its runs"
@@ -292,7 +320,7 @@ def cmd_replay(args) -> int:
             validate_run_id(args.to)
         from flows.replay import check_replayable, replay_flow
 
-        check_replayable(lake, args.run_id)
+        check_replayable(lake, args.run_id, args.to)
         check_prefect_api()
 
         # --to names an existing run, or one another process writes; other errors keep their traceback
@@ -350,12 +378,13 @@ def cmd_audit(args) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from storage import catalog
+    from storage import catalog, checkpoints
 
     lake = _lake(args.lake)
     try:
-        _run_config_path(lake, args.run_id)  # before LanceDB, which would create the catalog folder
-    except (ValueError, FileNotFoundError) as e:
+        config_path = _run_config_path(lake, args.run_id)  # before LanceDB, which would create the catalog folder
+        promoted = checkpoints.promoted_version(lake, args.run_id)
+    except (ValueError, FileNotFoundError, checkpoints.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.limit < 0:
@@ -364,12 +393,22 @@ def cmd_audit(args) -> int:
     if args.where is not None and (why := _unbalanced(args.where)):
         print(f"error: --where {args.where!r}: {why}", file=sys.stderr)
         return 2
+    if args.version is not None and (args.version < 0 or (promoted is not None and args.version > promoted)):
+        print(
+            f"error: --version {args.version}: run {args.run_id} has versions 0 to {promoted or 0} (the newest "
+            "promoted)",
+            file=sys.stderr,
+        )
+        return 2
     uri = catalog.catalog_uri(lake, args.run_id)
     if uri is None:
         print(f"error: lake {args.lake} has no catalog (LanceDB needs a local or object-store lake)", file=sys.stderr)
         return 2
     if not lake.fs.exists(f"{lake.run_dir(args.run_id)}/catalog"):  # LanceDB would create an empty one
-        print(f"error: run {args.run_id} has no catalog yet (no iteration was promoted)", file=sys.stderr)
+        why = "yet (no iteration was promoted)"
+        if _frozen_setting(lake, config_path, "pipeline", "catalog") is False:
+            why = "(it was trained with pipeline.catalog=false)"
+        print(f"error: run {args.run_id} has no catalog {why}", file=sys.stderr)
         return 2
     where = [f"({args.where})"] if args.where else []
     if args.version is not None:
@@ -431,7 +470,8 @@ def cmd_runs(args) -> int:
         return 2
     root = f"{lake.root}/runs"
     if not lake.fs.exists(root):
-        print(f"no runs in {args.lake}")
+        inside = "/runs/" in f"{lake.root}/" or lake.fs.exists(f"{lake.root}/config.json")  # a run's or runs/ folder
+        print(f"no runs in {args.lake}" + (": give the lake's own folder, the one holding runs/" if inside else ""))
         return 0
     for path in sorted(lake.fs.ls(root, detail=False)):
         run_id = path.rstrip("/").rsplit("/", 1)[-1]
@@ -561,12 +601,14 @@ def cmd_serve(args) -> int:
     from prefect.settings import PREFECT_API_URL
 
     from configs.schema import ConfigError, load_config
+    from storage.lake import Lake
     from tasks.preflight import check_backend, check_inputs, check_prefect_api, check_tracking
 
     try:  # the deployment's default parameters: a bad config would fail every triggered run
         cfg = load_config(args.config, args.override)
         check_backend(cfg)  # first, as in train and open_session: a missing extra is the first thing to install
         check_inputs(cfg)
+        _refuse_memory(Lake(cfg.lake.uri))
         if not PREFECT_API_URL.value():
             print(
                 "error: lockstep serve needs a Prefect server: run `make services`, then "

@@ -44,20 +44,21 @@ def _replay_iteration(trainer, cfg: Config, lake: Lake, record: dict) -> dict:
 def replay_flow(run_id: str, lake_uri: str = "./lake", to_run_id: str | None = None) -> list[dict]:
     """Per replayed version: {"version", "max_abs_diff"} against the original checkpoint."""
     lake = Lake(lake_uri)
-    check_replayable(lake, run_id)
+    check_replayable(lake, run_id, to_run_id)
     if to_run_id is None:
         return _replay(run_id, lake)
-    if to_run_id == run_id or lease.other_entries(lake, to_run_id):
-        raise _exists(lake, to_run_id)
     with lease.acquire(lake, to_run_id, "replay"):  # its own lease files do not make the target exist
         if lease.other_entries(lake, to_run_id):  # created while this one started
             raise _exists(lake, to_run_id)
         return _replay(run_id, lake, to_run_id)
 
 
-def check_replayable(lake: Lake, run_id: str) -> None:
+def check_replayable(lake: Lake, run_id: str, to_run_id: str | None = None) -> None:
     """FileNotFoundError if run `run_id` has no promoted version yet (v0 comes out of its bootstrap: a replay started
-    before it was a traceback from the model loader), CheckpointError if its v0 is incomplete."""
+    before it was a traceback from the model loader), CheckpointError if its v0 is incomplete; FileExistsError if the
+    target `to_run_id` is the run itself or exists (the CLI asks before Prefect starts, the flow again)."""
+    if to_run_id is not None and (to_run_id == run_id or lease.other_entries(lake, to_run_id)):
+        raise _exists(lake, to_run_id)
     if checkpoints.promoted_version(lake, run_id) is None:
         raise FileNotFoundError(
             f"run {run_id} has no promoted version in {lake.uri} yet (v0 is promoted once its "

@@ -216,5 +216,8 @@ def load_prompts(
         if limit is not None and len(records) >= limit:
             break
     if not records:
-        raise DatasetError(f"{uri}: no usable rows ({report.summary()})")
+        raise DatasetError(
+            f"{uri}: no usable rows ({report.summary()}); the fields read are task.dataset.question_field="
+            f"{question_field!r} and answer_field={answer_field!r}: set them to the file's"
+        )
     return records, report

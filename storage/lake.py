@@ -41,6 +41,21 @@ class LakeURLError(ValueError):
     """A lake URL whose filesystem fsspec cannot provide: an unknown protocol, or its package is not installed."""
 
 
+def _check_local_folder(uri: str, root: str) -> None:
+    """A local lake's folder `root` exists as a folder, or its nearest existing path is a folder it can be made in."""
+    path = root
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        where = "" if path == root else f" (above the lake's folder {root})"
+        raise LakeURLError(f"lake {uri!r}: {path}{where} is not a folder; give a folder for the lake")
+    if path != root and not os.access(path, os.W_OK | os.X_OK):
+        raise LakeURLError(
+            f"lake {uri!r}: {root} does not exist and cannot be made ({path} is not writable); create it, or give "
+            "a folder you can write"
+        )
+
+
 def check_lake_url(uri: str) -> None:
     """Every protocol of `uri` (chained URLs too, `simplecache::s3://...`) has an importable fsspec filesystem;
     nothing is opened or contacted."""
@@ -100,8 +115,11 @@ class Lake:
     def check_reachable(self) -> None:
         """On an object store, list the lake's prefix once: a store that does not answer (its endpoint, e.g.
         AWS_ENDPOINT_URL for an S3-compatible one), refused credentials, or a bucket that does not exist is a
-        LakeURLError naming the lake, before a command's work, not a botocore traceback part-way. Nothing is
-        written."""
+        LakeURLError naming the lake, before a command's work, not a botocore traceback part-way. On a local disk,
+        the lake's folder is a folder or can be made (no file in its place or above it; a missing one's nearest
+        existing folder is writable). Nothing is written."""
+        if self.is_local:
+            _check_local_folder(self.uri, self.root)
         if not self.is_object_store:
             return
         fs = self.store

@@ -257,8 +257,9 @@ def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
         held, _ = load_prompts(d.eval_uri, fmt=d.format, split=d.eval_split, limit=cfg.task.n_eval, **common)
     else:
         if len(rows) <= cfg.task.n_eval:
+            cut = f" (task.dataset.max_rows={d.max_rows} read no more)" if len(rows) == d.max_rows else ""
             raise ValueError(
-                f"{d.uri} has {len(rows)} usable rows: too few to hold out task.n_eval="
+                f"{d.uri} has {len(rows)} usable rows{cut}: too few to hold out task.n_eval="
                 f"{cfg.task.n_eval}; lower it or give task.dataset.eval_uri"
             )
         order = list(range(len(rows)))

@@ -76,8 +76,20 @@ def test_replay_flow_errors_exit_2(lake_with_run, capsys, monkeypatch):
     (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000").mkdir(parents=True)
     (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000" / "MANIFEST.json").write_text("{}")
     (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
-    assert cli.main(["replay", "r1", "--lake", str(lake_with_run), "--to", "r1"]) == 2
-    assert squash(f"error: cannot replay 'r1': run r1 already exists in {lake_with_run}") in cli_stderr(capsys)
+    assert cli.main(["replay", "r1", "--lake", str(lake_with_run), "--to", "r9"]) == 2  # a target made meanwhile
+    assert squash(f"error: cannot replay 'r1': run r9 already exists in {lake_with_run}") in cli_stderr(capsys)
+
+
+@pytest.mark.parametrize("target", ["r1", "r2"])
+def test_replay_onto_an_existing_run_is_refused_before_the_flow(lake_with_run, capsys, no_replay, target):
+    """The run itself, or another run of the lake: refused before Prefect starts (was ~11 s in, inside the flow)."""
+    (lake_with_run / "runs" / "r2").mkdir()
+    (lake_with_run / "runs" / "r2" / "config.json").write_text("{}")
+    assert cli.main(["replay", "r1", "--lake", str(lake_with_run), "--to", target]) == 2
+    assert squash(
+        f"error: cannot replay 'r1': replay target run {target} already exists in {lake_with_run}: replay writes a "
+        "new run and never overwrites one; choose another --to"
+    ) in cli_stderr(capsys)
 
 
 def test_replay_of_an_object_store_run_loads_v0_from_a_copy_it_removes(tiny_hf, tmp_path, monkeypatch):
@@ -126,6 +138,19 @@ def test_audit_refuses_a_negative_limit_and_a_run_without_catalog(lake_with_run,
     assert cli.main(["audit", "r1", "--lake", str(lake_with_run), "--limit", "0"]) == 2  # 0 (all) is a valid limit:
     assert squash("error: run r1 has no catalog yet") in cli_stderr(capsys)  # what stops it is the missing catalog
     assert not (lake_with_run / "runs" / "r1" / "catalog").exists()  # LanceDB created an empty one before
+    frozen = lake_with_run / "runs" / "r1" / "config.json"
+    frozen.write_text(resolved_json(load_config(None, ["run.run_id=r1", "pipeline.catalog=false"])))
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run)]) == 2
+    assert squash("error: run r1 has no catalog (it was trained with pipeline.catalog=false)") in cli_stderr(capsys)
+
+
+@pytest.mark.parametrize("version", [-1, 3])
+def test_audit_of_a_version_the_run_does_not_have_is_refused(lake_with_run, capsys, version):
+    """Was an empty table and exit 0."""
+    (lake_with_run / "runs" / "r1" / "checkpoints").mkdir()
+    (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text(json.dumps({"version": 2}))
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run), "--version", str(version)]) == 2
+    assert squash(f"error: --version {version}: run r1 has versions 0 to 2 (the newest promoted)") in cli_stderr(capsys)
 
 
 @pytest.mark.parametrize(
@@ -230,8 +255,32 @@ def test_runs_of_a_lake_that_is_not_there(tmp_path, capsys, what):
     if what == "file":
         lake.write_text("")
     assert cli.main(["runs", "--lake", str(lake)]) == 2  # was "no runs in ..." and exit 0
-    reason = "is not a directory" if what == "file" else "does not exist"
-    assert squash(f"error: lake {lake} {reason}") in cli_stderr(capsys)
+    reason = (
+        f"'{lake}': {lake} is not a folder; give a folder for the lake" if what == "file" else f"{lake} does not exist"
+    )
+    assert squash(f"error: lake {reason}") in cli_stderr(capsys)
+
+
+def test_runs_given_a_runs_folder_or_a_run_points_to_the_lake(lake_with_run, capsys):
+    for inside in (lake_with_run / "runs", lake_with_run / "runs" / "r1"):
+        assert cli.main(["runs", "--lake", str(inside)]) == 0
+        assert capsys.readouterr().out == f"no runs in {inside}: give the lake's own folder, the one holding runs/\n"
+    empty = lake_with_run.parent / "empty-lake"
+    empty.mkdir()
+    assert cli.main(["runs", "--lake", str(empty)]) == 0
+    assert capsys.readouterr().out == f"no runs in {empty}\n"
+
+
+@pytest.mark.parametrize("command", ["resume", "audit", "report"])
+def test_a_run_command_on_a_lake_that_is_not_there_says_so(tmp_path, capsys, command):
+    """Not "run r1 does not exist in lake ...": the lake itself is missing, or a file."""
+    missing, afile = tmp_path / "no-lake", tmp_path / "afile"
+    afile.write_text("")
+    assert cli.main([command, "r1", "--lake", str(missing)]) == 2
+    assert squash(f"lake {missing} does not exist (no folder {missing}); give the lake's folder") in cli_stderr(capsys)
+    assert cli.main([command, "r1", "--lake", str(afile)]) == 2
+    assert squash(f"error: lake '{afile}': {afile} is not a folder; give a folder for the lake") in cli_stderr(capsys)
+    assert not missing.exists()
 
 
 # ------------------------------------------------------------------------------------------------ --lake URLs
@@ -256,6 +305,28 @@ def test_a_lake_url_without_a_filesystem_is_one_error_line(argv, url, capsys, tm
 def test_train_with_a_lake_url_without_a_filesystem_exits_2_before_any_work(capsys):
     assert cli.main(["train", ARITH, "-o", "lake.uri=nosuchfs://lake"]) == 2
     assert squash("error: lake.uri: lake 'nosuchfs://lake': Protocol not known: nosuchfs;") in cli_stderr(capsys)
+
+
+@pytest.mark.parametrize("below", ["", "sub/lake"])
+def test_train_on_a_lake_path_that_is_a_file_exits_2_before_any_work(tmp_path, capsys, below):
+    """A file where the lake's folder (or a folder above it) would be: was a NotADirectoryError traceback ~14 s in."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a lake")
+    uri = str(afile / below) if below else str(afile)
+    assert cli.main(["train", ARITH, "-o", f"lake.uri={uri}", "-o", "tracking.enabled=false"]) == 2
+    above = f" (above the lake's folder {uri})" if below else ""
+    assert squash(f"error: lake.uri: lake '{uri}': {afile}{above} is not a folder; give a folder") in cli_stderr(capsys)
+    assert afile.read_text() == "not a lake"
+
+
+@pytest.mark.parametrize("argv", [["train", ARITH, "-o", "lake.uri=memory://lk"], ["runs", "--lake", "memory://lk"]])
+def test_a_memory_lake_is_refused_by_commands(capsys, argv):
+    """A command's process starts with an empty memory://, and a run's rollout workers would each write to their own
+    (a run failed ~20 s in with its groups lost)."""
+    assert cli.main(argv) == 2
+    assert squash("error: lake 'memory://lk' lives in one process's memory (memory:// is for tests)") in cli_stderr(
+        capsys
+    )
 
 
 def test_gpu_config_without_vllm_names_the_install_command_first(capsys, tmp_path):

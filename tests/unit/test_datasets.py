@@ -78,6 +78,17 @@ def test_no_usable_rows_is_an_error(tmp_path):
         load_prompts(path)
 
 
+def test_no_usable_rows_names_the_fields_it_read(tmp_path):
+    """A file whose rows lack the configured fields: the message names the settings to change."""
+    path = _jsonl(str(tmp_path / "d.jsonl"), [json.dumps({"prompt": "1+1?", "solution": "2"}).encode()] * 3)
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path, question_field="question", answer_field="answer")
+    assert str(e.value) == (
+        f"{path}: no usable rows ({path}: 0 of 3 rows kept; skipped: 3 missing or non-string field 'question'); the fields "
+        "read are task.dataset.question_field='question' and answer_field='answer': set them to the file's"
+    )
+
+
 @pytest.mark.parametrize(
     "response,answer,expected",
     [

@@ -159,6 +159,28 @@ def test_a_local_lake_is_not_listed(tmp_path, monkeypatch):
     lake.check_reachable()
 
 
+def test_a_local_lake_must_be_a_folder_or_makeable(tmp_path, monkeypatch):
+    """A file in the lake's place or above it, or a missing folder under one that cannot be written, is refused with
+    the path at fault; nothing is created by the check."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    Lake(str(tmp_path)).check_reachable()  # an existing folder
+    Lake(str(tmp_path / "a" / "b")).check_reachable()  # made later, under a writable folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    with pytest.raises(LakeURLError, match=f"^lake '{afile}': {afile} is not a folder; give a folder for the lake$"):
+        Lake(str(afile)).check_reachable()
+    below = afile / "x" / "lake"
+    with pytest.raises(LakeURLError, match=f"^lake '{below}': {afile} \\(above the lake's folder {below}\\) is not a"):
+        Lake(str(below)).check_reachable()
+    seen = []
+    monkeypatch.setattr(lake_module.os, "access", lambda path, mode: seen.append((path, mode)) and False)
+    Lake(str(tmp_path)).check_reachable()  # an existing lake is read by audit, runs, report: not asked to be writable
+    assert seen == []
+    with pytest.raises(LakeURLError, match=f"{tmp_path / 'new'} does not exist and cannot be made \\({tmp_path} is "):
+        Lake(str(tmp_path / "new")).check_reachable()
+    assert seen == [(str(tmp_path), lake_module.os.W_OK | lake_module.os.X_OK)]
+
+
 # ------------------------------------------------------------------------------------------------ object-store writes
 
 

@@ -356,7 +356,7 @@ def test_replay_into_a_target_created_under_the_lease_is_refused(tmp_path, monke
         (tmp_path / "lake/runs/r2/config.json").write_text("{}")
         return acquire(lake_, run_id, command)
 
-    monkeypatch.setattr(replay, "check_replayable", lambda lake, run_id: None)
+    monkeypatch.setattr(replay, "check_replayable", lambda lake, run_id, to_run_id=None: None)
     monkeypatch.setattr(lease, "acquire", acquire_after_the_other)
     with pytest.raises(FileExistsError, match="replay target run r2 already exists"):
         replay.replay_flow.fn(run_id="r1", lake_uri=lake.uri, to_run_id="r2")

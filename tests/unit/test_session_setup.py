@@ -72,6 +72,10 @@ def test_a_dataset_with_only_n_eval_rows_is_refused_by_name(tmp_path):
     cfg = load_config(None, [*_dataset(tmp_path, ["1+1?", "2+2?", "3+3?"]), "task.n_eval=3"])
     with pytest.raises(InputError, match=r"rows.jsonl has 3 usable rows: too few to hold out task.n_eval=3"):
         session_module.check_task(cfg)
+    cfg = load_config(None, [*_dataset(tmp_path, ["1+1?", "2+2?", "3+3?", "4+4?"]), "task.n_eval=3"])
+    cfg.task.dataset.max_rows = 3  # the file has 4 rows: the limit, not the file, is what is short
+    with pytest.raises(InputError, match=r"rows.jsonl has 3 usable rows \(task.dataset.max_rows=3 read no more\): too"):
+        session_module.check_task(cfg)
 
 
 def test_the_bootstrap_cache_key_depends_on_the_run_seed():
