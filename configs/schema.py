@@ -536,9 +536,10 @@ def _section_keys(loc: tuple) -> list[str]:
     """The keys the section at `loc` (a path of field names from the top) takes; [] where `loc` is no section."""
     model: Any = Config
     for name in loc:
-        field = model.model_fields.get(name) if isinstance(name, str) else None
-        sections = [t for t in _flat_types(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
-        if field is None or not sections:
+        field = model.model_fields.get(name) if isinstance(name, str) else None  # None: a list index, a dict key
+        types = _flat_types(field.annotation) if field is not None else set()
+        sections = [t for t in types if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not sections:
             return []
         model = sections[0]
     return list(model.model_fields)

@@ -383,8 +383,7 @@ def cmd_audit(args) -> int:
     lake = _lake(args.lake)
     try:
         config_path = _run_config_path(lake, args.run_id)  # before LanceDB, which would create the catalog folder
-        promoted = checkpoints.promoted_version(lake, args.run_id)
-    except (ValueError, FileNotFoundError, checkpoints.CheckpointError) as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.limit < 0:
@@ -393,13 +392,18 @@ def cmd_audit(args) -> int:
     if args.where is not None and (why := _unbalanced(args.where)):
         print(f"error: --where {args.where!r}: {why}", file=sys.stderr)
         return 2
-    if args.version is not None and (args.version < 0 or (promoted is not None and args.version > promoted)):
-        print(
-            f"error: --version {args.version}: run {args.run_id} has versions 0 to {promoted or 0} (the newest "
-            "promoted)",
-            file=sys.stderr,
-        )
-        return 2
+    if args.version is not None:
+        try:
+            promoted = checkpoints.promoted_version(lake, args.run_id)
+        except checkpoints.CheckpointError:  # a damaged PROMOTED: its catalog is still worth auditing
+            promoted = None
+        if args.version < 0 or (promoted is not None and args.version > promoted):
+            print(
+                f"error: --version {args.version}: run {args.run_id} has versions 0 to {promoted or 0} (the newest "
+                "promoted)",
+                file=sys.stderr,
+            )
+            return 2
     uri = catalog.catalog_uri(lake, args.run_id)
     if uri is None:
         print(f"error: lake {args.lake} has no catalog (LanceDB needs a local or object-store lake)", file=sys.stderr)

@@ -153,6 +153,15 @@ def test_audit_of_a_version_the_run_does_not_have_is_refused(lake_with_run, caps
     assert squash(f"error: --version {version}: run r1 has versions 0 to 2 (the newest promoted)") in cli_stderr(capsys)
 
 
+def test_audit_of_a_run_whose_promoted_file_is_damaged_is_not_refused_for_it(lake_with_run, capsys):
+    """A damaged PROMOTED says nothing of the catalog, which is what one audits a damaged run with: the version is
+    then not checked, and what stops this audit is the missing catalog."""
+    (lake_with_run / "runs" / "r1" / "checkpoints").mkdir()
+    (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text("not json")
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run), "--version", "7"]) == 2
+    assert squash("error: run r1 has no catalog yet (no iteration was promoted)") in cli_stderr(capsys)
+
+
 @pytest.mark.parametrize(
     "where, why",
     [
