@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import re
 import typing
 from pathlib import Path
 from types import NoneType
@@ -563,6 +564,10 @@ def _format_errors(err: ValidationError, source: str, overrides: dict[str, str] 
             got += (f"; did you mean {close[0]!r}?" if close else "") + f" (this section takes: {', '.join(keys)})"
         by = next((item for key, item in overrides.items() if f"{key}.".startswith(f"{loc}.")), None)
         by = by or next((item for key, item in overrides.items() if f"{loc}.".startswith(f"{key}.")), None)
+        if not e["loc"]:  # a cross-field error: the overrides of the fields its message names
+            by = ", -o ".join(
+                item for key, item in overrides.items() if re.search(rf"(?<![\w.]){re.escape(key)}\b", msg)
+            )
         lines.append(f"  {loc}: {msg}{got}" + (f" (set by -o {by})" if by else ""))
     return "\n".join(lines)
 

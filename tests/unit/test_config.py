@@ -809,6 +809,17 @@ def test_an_error_names_the_override_that_set_the_field_not_the_file(tmp_path):
     ]
 
 
+def test_a_cross_field_error_names_the_overrides_of_the_fields_it_names():
+    msg = load_error(None, ["pipeline.max_staleness=1", "run.seed=3"])
+    assert msg.splitlines()[1] == (
+        "  (top level): pipeline.max_staleness applies to mode 'async' only; set it to 0 or use mode: async "
+        "(set by -o pipeline.max_staleness=1)"
+    )
+    msg = load_error(None, ["rollout.prompts_per_iteration=5000", "task.n_eval=100", "run.seed=3"])
+    assert msg.splitlines()[1].startswith("  (top level): rollout.prompts_per_iteration=5000 exceeds the ")
+    assert msg.splitlines()[1].endswith("(set by -o rollout.prompts_per_iteration=5000, -o task.n_eval=100)")
+
+
 def test_an_unknown_key_is_named_with_the_keys_its_section_takes(tmp_path):
     p = write(tmp_path, "trainer:\n  lrr: 1\nrun:\n  iterz: 3\n")
     msg = load_error(p).splitlines()
