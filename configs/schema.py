@@ -57,17 +57,21 @@ class _Section(BaseModel):
         return value
 
 
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+_RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # storage.lake.RUN_ID_RE's
+
+
 class RunSection(_Section):
     name: str = Field(
         "lockstep",
         min_length=1,
         max_length=64,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        pattern=_NAME_PATTERN,
         description="Experiment name: the MLflow experiment and the prefix of generated run ids.",
     )
     run_id: str | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        pattern=_RUN_ID_PATTERN,
         description="Run id; default `{name}-{UTC timestamp}`. Letters, digits, . _ - only.",
     )
     seed: int = Field(
@@ -526,10 +530,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
 
 
 _PATTERN_WORDS = {  # the name patterns above, in words
-    r"^[A-Za-z0-9][A-Za-z0-9._-]*$": "letters, digits, '.', '_' and '-' only, the first a letter or digit",
-    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$": (
-        "letters, digits, '.', '_' and '-' only, the first a letter or digit, at most 128 characters"
-    ),
+    _NAME_PATTERN: "letters, digits, '.', '_' and '-' only, the first a letter or digit",
+    _RUN_ID_PATTERN: "letters, digits, '.', '_' and '-' only, the first a letter or digit, at most 128 characters",
 }
 
 
@@ -562,9 +564,10 @@ def _format_errors(err: ValidationError, source: str, overrides: dict[str, str] 
         if e["type"] == "extra_forbidden" and (keys := _section_keys(e["loc"][:-1])):
             close = difflib.get_close_matches(str(e["loc"][-1]), keys, n=1)
             got += (f"; did you mean {close[0]!r}?" if close else "") + f" (this section takes: {', '.join(keys)})"
-        by = next((item for key, item in overrides.items() if f"{key}.".startswith(f"{loc}.")), None)
-        by = by or next((item for key, item in overrides.items() if f"{loc}.".startswith(f"{key}.")), None)
-        if not e["loc"]:  # a cross-field error: the overrides of the fields its message names
+        if e["loc"]:  # an override of the field or of a key below it, else of a section above it
+            by = next((item for key, item in overrides.items() if f"{key}.".startswith(f"{loc}.")), None)
+            by = by or next((item for key, item in overrides.items() if f"{loc}.".startswith(f"{key}.")), None)
+        else:  # a cross-field error: the overrides of the fields its message names
             by = ", -o ".join(
                 item for key, item in overrides.items() if re.search(rf"(?<![\w.]){re.escape(key)}\b", msg)
             )

@@ -282,11 +282,10 @@ def _run_created(lake_uri: str, run_id: str) -> bool:
 
 def _frozen_setting(lake, config_path: str, section: str, field: str):
     """One setting of a run's frozen config.json as written (None if absent or unreadable: only for messages)."""
-    import json
+    from storage.lake import read_json
 
     try:
-        with lake.fs.open(config_path, "rb") as f:
-            return json.load(f).get(section, {}).get(field)
+        return read_json(lake, config_path).get(section, {}).get(field)
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -44,6 +44,11 @@ class SamplingParams:
     stop_on_newline_id: int | None = field(default=None)  # optional extra stop token (treated like EOS)
     other_eos_ids: tuple[int, ...] = ()  # the model's end ids beside the tokenizer's EOS (`models.tiny.other_eos_ids`)
 
+    def stop_ids(self, eos_token_id: int) -> list[int]:
+        """Every id a response ends at, for both engines: EOS, the model's other end ids, the newline if set."""
+        newline = [self.stop_on_newline_id] if self.stop_on_newline_id is not None else []
+        return [eos_token_id, *self.other_eos_ids, *newline]
+
 
 def _sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Log-probs of the distribution actually sampled from: softmax(logits / T), truncated to the top-p nucleus
@@ -131,8 +136,7 @@ def generate_groups(
     flat_seeds = [s for row in seeds for s in row]
     gens = [torch.Generator().manual_seed(s) for s in flat_seeds]
     cache_keyword = _cache_keyword(type(model))  # once, not per decode step
-    stop_ids = {eos_token_id, *params.other_eos_ids}
-    stop_ids |= {params.stop_on_newline_id} if params.stop_on_newline_id is not None else set()
+    stop_ids = set(params.stop_ids(eos_token_id))
     tokens: list[list[int]] = [[] for _ in range(N)]
     logps: list[list[float]] = [[] for _ in range(N)]
     versions: list[list[int]] = [[] for _ in range(N)]

@@ -79,8 +79,7 @@ class VLLMEngine:
 
         if len(seeds) != len(prompts) or any(len(s) != group_size for s in seeds):
             raise ValueError(f"seeds must be {len(prompts)} lists of {group_size} seeds")
-        stop = [eos_token_id, *params.other_eos_ids]
-        stop += [params.stop_on_newline_id] if params.stop_on_newline_id is not None else []
+        stop = params.stop_ids(eos_token_id)
         requests, sampling = [], []
         for p, row in zip(prompts, seeds):
             for seed in row:
