@@ -11,6 +11,7 @@ import difflib
 import json
 import re
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from types import NoneType
 from typing import Any, Literal
@@ -636,6 +637,112 @@ def upgrade_frozen(data: dict) -> dict:
 def frozen_config(data: dict) -> Config:
     """The validated config of a run from its frozen `config.json` (`upgrade_frozen`)."""
     return Config.model_validate(upgrade_frozen(data))
+
+
+# Settings the run never reads while another setting holds: (section, fields, why not, or None when they are read;
+# `{it}` stands for the fields set). A field is reported under the first rule that applies to it.
+_INERT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[Config], str | None]], ...] = (
+    (
+        "algorithm",
+        ("prox_logp", "is_cap", "is_mode", "is_level"),
+        lambda c: (
+            None
+            if c.pipeline.mode == "async"
+            else f"pipeline.mode is {c.pipeline.mode!r}, and only async mode's decoupled loss reads {{it}}"
+        ),
+    ),
+    ("algorithm", ("is_mode",), lambda c: None if c.algorithm.is_cap is not None else "algorithm.is_cap is null"),
+    ("algorithm", ("kl_kind",), lambda c: None if c.algorithm.kl_coef > 0 else "algorithm.kl_coef is 0 (no KL term)"),
+    (
+        "bootstrap",
+        ("batch_size", "lr", "target_accuracy", "check_prompts", "check_every"),
+        lambda c: None if c.bootstrap.steps > 0 else "bootstrap.steps is 0 (v0 is the model as it is)",
+    ),
+    (
+        "bootstrap",
+        ("check_prompts", "check_every"),
+        lambda c: None if c.bootstrap.target_accuracy is not None else "bootstrap.target_accuracy is null",
+    ),
+    (
+        "rollout",
+        ("vllm_dtype", "vllm_gpu_memory_utilization", "vllm_max_model_len"),
+        lambda c: None if c.rollout.engine == "vllm" else f"rollout.engine is {c.rollout.engine!r}",
+    ),
+    (
+        "pipeline",
+        ("push_weights",),  # tasks.session.pushes_weights
+        lambda c: (
+            "pipeline.mode is 'async'"
+            if c.pipeline.mode == "async"
+            else "rollout.engine is 'vllm', which loads each version from its checkpoint"
+            if c.rollout.engine == "vllm"
+            else None
+        ),
+    ),
+    ("pipeline", ("catalog_compact_every",), lambda c: None if c.pipeline.catalog else "pipeline.catalog is false"),
+    (
+        "resources",
+        ("borrow_rollout_threads",),  # tasks.iteration.idle_rollout_threads
+        lambda c: "pipeline.mode is 'async', whose workers never idle" if c.pipeline.mode == "async" else None,
+    ),
+    (
+        "trainer",
+        ("min_lr_ratio",),
+        lambda c: "trainer.lr_schedule is 'constant'" if c.trainer.lr_schedule == "constant" else None,
+    ),
+    ("tracking", ("uri", "experiment"), lambda c: None if c.tracking.enabled else "tracking.enabled is false"),
+    (
+        "model",
+        ("tiny",),
+        lambda c: None if c.model.path is None else "model.path is set: the model is loaded, not built",
+    ),
+    (
+        "task",
+        ("max_operand", "ops", "n_shots"),
+        lambda c: (
+            "task.kind is 'dataset', and only the synthetic arithmetic prompts read {it}"
+            if c.task.kind == "dataset"
+            else None
+        ),
+    ),
+    (
+        "data",
+        ("on_bad_row",),
+        lambda c: (
+            "task.kind is 'arithmetic', whose prompts are built, not read" if c.task.kind == "arithmetic" else None
+        ),
+    ),
+    (
+        "task",
+        ("partial_credit",),
+        lambda c: "task.reward is 'math_verify'" if c.task.reward == "math_verify" else None,
+    ),
+)
+
+
+def inert_settings(config: Config) -> list[str]:
+    """What a user should hear about a new run's config before it starts, one line each: the settings it gives (in
+    its file or by -o) that the run will not read, and why, and a group size from which nothing is learned.
+
+    Not errors: a run frozen with such a setting must still resume. Only what the config sets is reported (a
+    default is no one's choice); a run's frozen config.json sets every field, so this is for a new run's config."""
+    notes = []
+    reported: set[str] = set()
+    for section, fields, why in _INERT_RULES:
+        given = [f"{section}.{f}" for f in fields if f in getattr(config, section).model_fields_set]
+        given = [name for name in given if name not in reported]
+        reason = why(config) if given else None
+        if reason:
+            one = len(given) == 1
+            reason = reason.replace("{it}", "it" if one else "them")
+            notes.append(f"{', '.join(given)} {'is set but has' if one else 'are set but have'} no effect: {reason}")
+            reported.update(given)
+    if config.rollout.group_size == 1:
+        notes.append(
+            "rollout.group_size is 1: every advantage estimator compares a response with the rest of its group, "
+            "so every advantage is 0 and the policy learns nothing from the rewards; use group_size >= 2"
+        )
+    return notes
 
 
 def resolved_json(config: Config) -> str:

@@ -147,8 +147,15 @@ def _error(console, message: str) -> None:
     console.print(Text.assemble(("error:", "red"), " ", message))
 
 
+def _warning(console, message: str) -> None:
+    """One `warning:` line, the word in yellow, `message` as it is."""
+    from rich.text import Text
+
+    console.print(Text.assemble(("warning:", "yellow"), " ", message))
+
+
 def _run_flow(console, config_path: str, overrides: list[str], resume: bool, source: str | None = None) -> int:
-    from configs.schema import ConfigError, load_config
+    from configs.schema import ConfigError, inert_settings, load_config
     from storage.lake import Lake
     from tasks.preflight import check_backend, check_inputs, check_prefect_api
 
@@ -162,6 +169,9 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     except ConfigError as e:
         _error(console, str(e))
         return 2
+    if not resume:  # a resumed run's frozen config sets every field: only a new run's file and -o are the user's
+        for note in inert_settings(cfg):
+            _warning(console, note)
     from prefect.exceptions import TerminationSignal
 
     import flows.train as train_mod
@@ -603,7 +613,7 @@ def cmd_serve(args) -> int:
     """Publish `train_flow` as a deployment on the Prefect server and run what the UI triggers or schedules."""
     from prefect.settings import PREFECT_API_URL
 
-    from configs.schema import ConfigError, load_config
+    from configs.schema import ConfigError, inert_settings, load_config
     from storage.lake import Lake
     from tasks.preflight import check_backend, check_inputs, check_prefect_api, check_tracking
 
@@ -624,6 +634,8 @@ def cmd_serve(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for note in inert_settings(cfg):  # the deployment's default config, as train says them of its own
+        print(f"warning: {note}", file=sys.stderr)
     import httpx
 
     from flows.train import train_flow

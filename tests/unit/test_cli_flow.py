@@ -338,20 +338,45 @@ def _flow_returning(monkeypatch, summary=None, before=None, error=None):
     monkeypatch.setattr(train_mod, "train_flow", flow)
 
 
+SUMMARY = {
+    "eval_accuracy_initial": 0.25,
+    "eval_accuracy_final": 0.625,
+    "samples_per_s": 12.34,
+    "promoted_version": 7,
+    "run_id": "r1",
+    "summary_path": "/lake/runs/r1/summary.json",
+}
+
+
 def test_train_reports_the_summary_and_prints_the_run_and_its_summary_path(monkeypatch, capsys, tmp_path):
-    summary = {
-        "eval_accuracy_initial": 0.25,
-        "eval_accuracy_final": 0.625,
-        "samples_per_s": 12.34,
-        "promoted_version": 7,
-        "run_id": "r1",
-        "summary_path": "/lake/runs/r1/summary.json",
-    }
-    _flow_returning(monkeypatch, summary)
+    _flow_returning(monkeypatch, SUMMARY)
     assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}"]) == 0
     out = capsys.readouterr()
     assert out.out == "r1 /lake/runs/r1/summary.json\n"  # stdout: what a script reads
     assert "held-out accuracy 0.250 -> 0.625, 12.3 samples/s, version 7" in out.err
+
+
+def test_train_warns_of_a_setting_its_run_will_not_read_and_still_runs(monkeypatch, capsys, tmp_path):
+    _flow_returning(monkeypatch, SUMMARY)
+    assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}", "-o", "algorithm.is_cap=3"]) == 0
+    err = cli_stderr(capsys)
+    assert err.startswith(
+        squash(
+            "warning: algorithm.is_cap is set but has no effect: pipeline.mode is 'periodic', and only async mode's "
+            "decoupled loss reads it"
+        )
+    )
+    assert err.count("warning:") == 1
+
+
+def test_resume_does_not_warn_of_its_frozen_configs_settings(lake_with_run, monkeypatch, capsys):  # noqa: F811
+    """A frozen config.json sets every field, so in a periodic run the async settings read as given: a resumed
+    run's config was the user's choice when it started, and is not judged again."""
+    from configs.schema import inert_settings
+
+    cfg = _resumed_config(lake_with_run, monkeypatch)
+    assert cfg.pipeline.mode != "async" and inert_settings(cfg)  # what train would have said of it
+    assert "warning:" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt(), "TerminationSignal"], ids=["ctrl-c", "sigterm"])

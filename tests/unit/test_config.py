@@ -888,3 +888,141 @@ def test_a_frozen_config_older_than_a_field_reads_as_its_run_trained():
     assert json.loads(cli._upgraded(json.dumps(old).encode()))["train"]["skip_zero_advantage"] is False
     assert cli._upgraded(b"not json") == b"not json"  # left to the loader, which names the file
     assert Config.model_validate(old).train.skip_zero_advantage is True  # what reading it plainly would do
+
+
+# ------------------------------------------------------------------------------------------------ inert settings
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["algorithm.is_cap=3"],
+            "algorithm.is_cap is set but has no effect: pipeline.mode is 'periodic', and only async mode's decoupled "
+            "loss reads it",
+        ),
+        (
+            ["pipeline.mode=sync", "algorithm.prox_logp=recompute", "algorithm.is_level=sequence"],
+            "algorithm.prox_logp, algorithm.is_level are set but have no effect: pipeline.mode is 'sync', and only "
+            "async mode's decoupled loss reads them",
+        ),
+        (
+            ["pipeline.mode=async", "algorithm.is_cap=null", "algorithm.is_mode=mask"],
+            "algorithm.is_mode is set but has no effect: algorithm.is_cap is null",
+        ),
+        (["algorithm.kl_kind=k1"], "algorithm.kl_kind is set but has no effect: algorithm.kl_coef is 0 (no KL term)"),
+        (
+            ["bootstrap.steps=0", "bootstrap.lr=0.01", "bootstrap.check_every=5"],
+            "bootstrap.lr, bootstrap.check_every are set but have no effect: bootstrap.steps is 0 (v0 is the model as "
+            "it is)",
+        ),
+        (
+            ["bootstrap.check_prompts=10"],
+            "bootstrap.check_prompts is set but has no effect: bootstrap.target_accuracy is null",
+        ),
+        (
+            ["rollout.vllm_dtype=bfloat16", "rollout.vllm_max_model_len=512"],
+            "rollout.vllm_dtype, rollout.vllm_max_model_len are set but have no effect: rollout.engine is 'builtin'",
+        ),
+        (
+            ["pipeline.mode=async", "pipeline.push_weights=false", "resources.borrow_rollout_threads=true"],
+            "pipeline.push_weights is set but has no effect: pipeline.mode is 'async'",
+        ),
+        (
+            ["pipeline.catalog=false", "pipeline.catalog_compact_every=3"],
+            "pipeline.catalog_compact_every is set but has no effect: pipeline.catalog is false",
+        ),
+        (
+            ["trainer.min_lr_ratio=0.1"],
+            "trainer.min_lr_ratio is set but has no effect: trainer.lr_schedule is 'constant'",
+        ),
+        (
+            ["tracking.enabled=false", "tracking.experiment=x"],
+            "tracking.experiment is set but has no effect: tracking.enabled is false",
+        ),
+        (
+            ["model.path=/some/model", "model.tiny.hidden_size=64"],
+            "model.tiny is set but has no effect: model.path is set: the model is loaded, not built",
+        ),
+        (
+            ["task.kind=dataset", "task.dataset.uri=x.jsonl", "task.n_shots=2", "task.ops=['+', '-']"],
+            "task.ops, task.n_shots are set but have no effect: task.kind is 'dataset', and only the synthetic "
+            "arithmetic prompts read them",
+        ),
+        (
+            ["data.on_bad_row=fail"],
+            "data.on_bad_row is set but has no effect: task.kind is 'arithmetic', whose prompts are built, not read",
+        ),
+        (
+            ["task.reward=math_verify", "task.partial_credit=0.2"],
+            "task.partial_credit is set but has no effect: task.reward is 'math_verify'",
+        ),
+    ],
+)
+def test_a_setting_the_run_will_not_read_is_named_with_why(overrides, expected):
+    from configs.schema import inert_settings
+
+    notes = inert_settings(load_config(None, overrides))
+    assert notes[0] == expected
+
+
+def test_the_async_settings_inert_outside_async_are_each_named_once():
+    """is_mode is inert both outside async and without a cap: named once, under the first reason; and async mode's
+    thread borrowing is named with its own reason beside push_weights."""
+    from configs.schema import inert_settings
+
+    notes = inert_settings(load_config(None, ["algorithm.is_mode=mask", "algorithm.is_cap=null"]))
+    assert notes == [
+        "algorithm.is_cap, algorithm.is_mode are set but have no effect: pipeline.mode is 'periodic', and only async "
+        "mode's decoupled loss reads them"
+    ]
+    notes = inert_settings(
+        load_config(None, ["pipeline.mode=async", "pipeline.push_weights=false", "resources.borrow_rollout_threads=1"])
+    )
+    assert notes == [
+        "pipeline.push_weights is set but has no effect: pipeline.mode is 'async'",
+        "resources.borrow_rollout_threads is set but has no effect: pipeline.mode is 'async', whose workers never idle",
+    ]
+    notes = inert_settings(load_config(None, ["rollout.engine=vllm", "trainer.device=cuda", "pipeline.push_weights=1"]))
+    assert notes == [
+        "pipeline.push_weights is set but has no effect: rollout.engine is 'vllm', which loads each version from its "
+        "checkpoint"
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["pipeline.mode=async", "algorithm.is_cap=3", "algorithm.prox_logp=recompute", "algorithm.is_mode=mask"],
+        ["algorithm.kl_coef=0.1", "algorithm.kl_kind=k1"],
+        ["bootstrap.target_accuracy=0.5", "bootstrap.check_prompts=10", "bootstrap.lr=0.01"],
+        ["rollout.engine=vllm", "trainer.device=cuda", "rollout.vllm_dtype=bfloat16"],
+        ["pipeline.push_weights=false", "resources.borrow_rollout_threads=true", "pipeline.catalog_compact_every=3"],
+        ["trainer.lr_schedule=cosine", "trainer.min_lr_ratio=0.1"],
+        ["tracking.experiment=x", "model.tiny.hidden_size=64", "task.n_shots=2", "task.partial_credit=0.2"],
+        ["task.kind=dataset", "task.dataset.uri=x.jsonl", "data.on_bad_row=fail"],
+        # the defaults that would make a setting inert, given without the setting
+        ["pipeline.mode=periodic", "algorithm.kl_coef=0", "bootstrap.steps=0", "tracking.enabled=false"],
+    ],
+)
+def test_a_setting_the_run_reads_or_a_default_is_not_named(overrides):
+    from configs.schema import inert_settings
+
+    assert inert_settings(load_config(None, overrides)) == []
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_the_shipped_configs_set_nothing_their_runs_ignore(path):
+    from configs.schema import inert_settings
+
+    assert inert_settings(load_config(path)) == []
+
+
+def test_a_group_of_one_is_named_as_learning_nothing():
+    from configs.schema import inert_settings
+
+    assert inert_settings(load_config(None, ["rollout.group_size=1"])) == [
+        "rollout.group_size is 1: every advantage estimator compares a response with the rest of its group, so "
+        "every advantage is 0 and the policy learns nothing from the rewards; use group_size >= 2"
+    ]
+    assert inert_settings(load_config(None, ["rollout.group_size=2"])) == []
