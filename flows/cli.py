@@ -175,12 +175,14 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     from prefect.exceptions import TerminationSignal
 
     import flows.train as train_mod
+    from flows import api_server
     from models.tiny import ModelDirError
     from storage.checkpoints import CheckpointError
     from storage.datasets import DatasetError
     from storage.lease import RunInUseError
     from tasks.session import RunExistsError
 
+    api_server.install()  # a Ctrl-C must leave the temporary Prefect API server up for the flow to record its end
     progress = _Progress(console)
     train_mod.progress_hook = progress
     t0 = time.perf_counter()
@@ -327,10 +329,12 @@ def cmd_replay(args) -> int:
         _run_config_path(lake, args.run_id)  # checked before the flow starts Prefect
         if args.to is not None:
             validate_run_id(args.to)
+        from flows import api_server
         from flows.replay import check_replayable, replay_flow
 
         check_replayable(lake, args.run_id, args.to)
         check_prefect_api()
+        api_server.install()
 
         # --to names an existing run, or one another process writes; other errors keep their traceback
         with _reported_by_cli(FileExistsError, RunInUseError):

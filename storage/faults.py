@@ -1,5 +1,7 @@
 """Failpoints for the resilience tests: `LOCKSTEP_FAULT=name@n` SIGKILLs the process the n-th time it passes
-the point `name` (n defaults to 1); `name@n:TERM` sends SIGTERM instead (a polite stop: the CLI unwinds the run).
+the point `name` (n defaults to 1); `name@n:TERM` sends SIGTERM instead (a polite stop: the CLI unwinds the run), and
+`name@n:INT` SIGINT to the process's whole group, as a terminal's Ctrl-C does (the workers and the temporary Prefect
+API server get it too).
 Unset, a failpoint is a dictionary lookup. Several may be given, comma-separated. A point passed with its
 iteration also answers to `name[k]@n`, counted over iteration k's passes only: `mid-train[1]@2` is the second
 micro-step of iteration 1 however many micro-steps iteration 0 had (that depends on how shards landed).
@@ -23,7 +25,7 @@ from collections import Counter
 _passes: Counter = Counter()
 
 
-_SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+_SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}  # INT: to the process group
 POINTS = ("shard-write", "file-write", "after-plan", "mid-train", "mid-checkpoint", "before-promote", "after-promote")
 ITERATION_POINTS = ("mid-train",)  # the points passed with their iteration: only these answer to name[k]
 _KEY = re.compile(r"(?P<point>[a-z-]+)(\[(?P<iteration>[0-9]+)\])?")
@@ -68,4 +70,7 @@ def point(name: str, iteration: int | None = None) -> None:
         _passes[key] += 1
         n, sig = armed[key]
         if _passes[key] == n:
-            os.kill(os.getpid(), sig)
+            if sig == signal.SIGINT:
+                os.killpg(os.getpgrp(), sig)
+            else:
+                os.kill(os.getpid(), sig)

@@ -17,7 +17,6 @@ stops answering, or any other break in the protocol, leaves the trainer refusing
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -177,19 +176,6 @@ def split_groups(groups: list, loads: list[int], shared: bool) -> list[list]:
     return out
 
 
-@contextlib.contextmanager
-def _sigint_ignored():
-    """SIGINT ignored while processes are started (from the main thread only, where handlers can be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 class DataParallelTrainer(PolicyTrainer):
     """Rank 0 of `ranks` data-parallel trainer ranks (see the module's docstring); its model and optimizer are the
     run's, as a `PolicyTrainer`'s are."""
@@ -239,11 +225,13 @@ class DataParallelTrainer(PolicyTrainer):
             lr=self.peak_lr,
         )
         self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        from tasks.workers import sigint_ignored
+
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         self._closed = False
         self._broken: str | None = None
-        with _sigint_ignored():  # inherited through exec: a Ctrl-C during a rank's imports is rank 0's to handle
+        with sigint_ignored():  # inherited through exec: a Ctrl-C during a rank's imports is rank 0's to handle
             for rank in range(1, ranks):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(

@@ -18,10 +18,12 @@ optimizer step and every worker maps; the checkpoint is then written off the cri
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.util as mp_util
 import os
 import queue
+import signal
 import tempfile
 import threading
 import time
@@ -160,6 +162,21 @@ def _exit_with_parent(parent: int, period_s: float = 0.2) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="lockstep-parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT ignored while processes are started (from the main thread only, where handlers can be set): a child
+    started meanwhile inherits it through exec, so a terminal's Ctrl-C, which reaches the whole process group, never
+    interrupts a child's start-up; the parent handles it and stops its children."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _generation_config(model_dir: str):
@@ -402,6 +419,8 @@ class _Worker:
 
 def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, parent: int) -> None:  # in the child
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threading.current_thread() is threading.main_thread():  # (the unit tests run a worker in a thread)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the flow stops the pool
     _exit_with_parent(parent)
     try:
         w = _Worker(worker_id, spec, commands, parent)
@@ -461,8 +480,9 @@ class WorkerPool:
         self.start_timeout_s = start_timeout_s
         self.ready = [False] * n_workers
         self.serve_sent = [threading.Event() for _ in range(n_workers)]
-        for p in self.procs:
-            p.start()
+        with sigint_ignored():  # a Ctrl-C during a worker's start-up is the flow's to handle
+            for p in self.procs:
+                p.start()
         if spec.engine == "vllm":  # what `daemon` does for the other workers: none is left running (nor waited for
             # without end) when the interpreter exits, or the pool is dropped, without `close`
             mp_util.Finalize(self, _terminate, args=(list(self.procs),), exitpriority=10)

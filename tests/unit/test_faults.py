@@ -20,6 +20,7 @@ def sent(monkeypatch):
     calls = []
     monkeypatch.setattr(faults, "_passes", Counter())
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: calls.append((pid, sig)))
+    monkeypatch.setattr(faults.os, "killpg", lambda pgid, sig: calls.append((f"group {pgid}", sig)))
     return calls
 
 
@@ -36,6 +37,14 @@ def test_point_fires_on_its_pass_with_its_signal(monkeypatch, sent):
     assert all(pid == faults.os.getpid() for pid, _ in sent)
 
 
+def test_an_interrupt_goes_to_the_whole_process_group_as_a_terminals_ctrl_c(monkeypatch, sent):
+    monkeypatch.setenv("LOCKSTEP_FAULT", "mid-train[1]@2:INT")
+    faults.point("mid-train", iteration=1)
+    assert sent == []
+    faults.point("mid-train", iteration=1)
+    assert sent == [(f"group {faults.os.getpgrp()}", signal.SIGINT)]
+
+
 def test_unarmed_point_does_nothing(monkeypatch, sent):
     monkeypatch.delenv("LOCKSTEP_FAULT", raising=False)
     for _ in range(3):
@@ -45,7 +54,7 @@ def test_unarmed_point_does_nothing(monkeypatch, sent):
 
 def test_unknown_signal_names_the_spec(monkeypatch, sent):
     monkeypatch.setenv("LOCKSTEP_FAULT", "mid-train@2:HUP")
-    message = r"LOCKSTEP_FAULT='mid-train@2:HUP': signal 'HUP' of 'mid-train' is not one of \['KILL', 'TERM'\]"
+    message = r"LOCKSTEP_FAULT='mid-train@2:HUP': signal 'HUP' of 'mid-train' is not one of \['INT', 'KILL', 'TERM'\]"
     with pytest.raises(ValueError, match=message):
         faults.point("mid-train")
     assert sent == []
@@ -89,7 +98,7 @@ def test_plain_and_iteration_points_both_armed(monkeypatch, sent):
         ("after-plan@\u0661", r"pass '\u0661' of 'after-plan' is not a positive integer"),  # Arabic-Indic 1
         ("after-plan@", r"pass '' of 'after-plan' is not a positive integer"),
         ("mid-train[1]@:TERM", r"pass '' of 'mid-train\[1\]' is not a positive integer"),
-        ("after-plan@1:", r"signal '' of 'after-plan' is not one of \['KILL', 'TERM'\]"),
+        ("after-plan@1:", r"signal '' of 'after-plan' is not one of \['INT', 'KILL', 'TERM'\]"),
         ("mid-train[1]@1,mid-train[01]@2", r"'mid-train\[1\]' is armed twice"),
     ],
 )

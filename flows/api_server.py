@@ -1,0 +1,64 @@
+"""The temporary Prefect API server a command starts when no `PREFECT_API_URL` is set, deaf to a terminal's Ctrl-C.
+
+Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the lockstep command, its rollout workers
+and the temporary API server, which Prefect starts as `python -m uvicorn` in that group. uvicorn shuts down on
+SIGINT, so the server was gone before the interrupted flow could record its end: Prefect's clients then retried the
+dead address for about two minutes and the command ended in a `ConnectError` traceback (exit 1) instead of unwinding
+(exit 130 and the resume command). With `install`, the server's process runs `main` below, which ignores SIGINT;
+the command's own process stops it with SIGTERM as it exits (Prefect's atexit), and a signal to the group that is
+not SIGINT (SIGTERM, SIGKILL, the terminal's SIGHUP) still ends it.
+
+`install` must run before anything of Prefect starts the server (a command's first flow)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+APP = "prefect.server.api.server:create_app"
+
+
+def install() -> None:
+    """Have the temporary API server Prefect starts on first use (no `PREFECT_API_URL`) run `main` below: Prefect's
+    own `SubprocessASGIServer` (its port search, start-up wait and stop at exit), its process command replaced.
+    Nothing is started here; with a server configured, nothing is changed (and Prefect's server module, ~3 s of
+    imports, is not loaded)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    SubprocessASGIServer._run_uvicorn_command = _server_process
+
+
+def _server_process(server) -> subprocess.Popen:
+    """The server's process, as `SubprocessASGIServer` starts it (the same settings), running `main`."""
+    from prefect.settings import get_current_settings
+
+    env = {
+        **os.environ,
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+    }
+    return subprocess.Popen([sys.executable, "-m", "flows.api_server", str(server.port)], env=env)
+
+
+def main(port: int) -> None:
+    """The server's process: uvicorn serving Prefect's API on 127.0.0.1:`port`, SIGINT ignored. Exits 3 when it
+    cannot start (the port taken), which `SubprocessASGIServer` answers with another port."""
+    import uvicorn
+    import uvicorn.server
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # uvicorn replaces the handlers of the signals it lists with its own shutdown: SIGTERM only
+    uvicorn.server.HANDLED_SIGNALS = tuple(s for s in uvicorn.server.HANDLED_SIGNALS if s != signal.SIGINT)
+    uvicorn.run(APP, factory=True, host="127.0.0.1", port=port, log_level="error", lifespan="on")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
