@@ -12,6 +12,7 @@ not SIGINT (SIGTERM, SIGKILL, the terminal's SIGHUP) still ends it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -45,20 +46,32 @@ def _server_process(server) -> subprocess.Popen:
         "PREFECT__SERVER_FINAL": "1",
         **get_current_settings().to_environment_variables(exclude_unset=True),
     }
-    return subprocess.Popen([sys.executable, "-m", "flows.api_server", str(server.port)], env=env)
+    return subprocess.Popen([sys.executable, "-m", "flows.api_server", str(server.port), str(os.getpid())], env=env)
 
 
-def main(port: int) -> None:
-    """The server's process: uvicorn serving Prefect's API on 127.0.0.1:`port`, SIGINT ignored. Exits 3 when it
-    cannot start (the port taken), which `SubprocessASGIServer` answers with another port."""
+def main(port: int, parent: int) -> None:
+    """The server's process: uvicorn serving Prefect's API on 127.0.0.1:`port` until the command that started it
+    (`parent`) sends it SIGTERM or dies. SIGINT is ignored, and so is a SIGTERM from anyone else (one sent to the
+    whole group: the command got it too, and stops this server once it has unwound). Exits 3 when it cannot start
+    (the port taken), which `SubprocessASGIServer` answers with another port."""
     import uvicorn
-    import uvicorn.server
+
+    from tasks.workers import watch_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # uvicorn replaces the handlers of the signals it lists with its own shutdown: SIGTERM only
-    uvicorn.server.HANDLED_SIGNALS = tuple(s for s in uvicorn.server.HANDLED_SIGNALS if s != signal.SIGINT)
-    uvicorn.run(APP, factory=True, host="127.0.0.1", port=port, log_level="error", lifespan="on")
+    server = uvicorn.Server(
+        uvicorn.Config(APP, factory=True, host="127.0.0.1", port=port, log_level="error", lifespan="on")
+    )
+    server.capture_signals = contextlib.nullcontext  # uvicorn's SIGINT / SIGTERM handlers: `watch_parent` instead
+
+    def stop() -> None:
+        server.should_exit = True  # uvicorn's graceful shutdown: Prefect's services flush their records
+
+    watch_parent(parent, stop, period_s=0.5)  # before the server starts any thread
+    server.run()
+    if not server.started:
+        sys.exit(3)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,7 +1,8 @@
 """Failpoints for the resilience tests: `LOCKSTEP_FAULT=name@n` SIGKILLs the process the n-th time it passes
 the point `name` (n defaults to 1); `name@n:TERM` sends SIGTERM instead (a polite stop: the CLI unwinds the run), and
 `name@n:INT` SIGINT to the process's whole group, as a terminal's Ctrl-C does (the workers and the temporary Prefect
-API server get it too).
+API server get it too), and `name@n:GROUPTERM` SIGTERM to the whole group (`kill -TERM -- -PGID`, a job scheduler,
+systemd, `timeout`).
 Unset, a failpoint is a dictionary lookup. Several may be given, comma-separated. A point passed with its
 iteration also answers to `name[k]@n`, counted over iteration k's passes only: `mid-train[1]@2` is the second
 micro-step of iteration 1 however many micro-steps iteration 0 had (that depends on how shards landed).
@@ -20,19 +21,27 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 from collections import Counter
 
 _passes: Counter = Counter()
 
 
-_SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}  # INT: to the process group
+# name -> (signal, sent to the whole process group rather than this process)
+_SIGNALS = {
+    "KILL": (signal.SIGKILL, False),
+    "TERM": (signal.SIGTERM, False),
+    "INT": (signal.SIGINT, True),
+    "GROUPTERM": (signal.SIGTERM, True),
+}
 POINTS = ("shard-write", "file-write", "after-plan", "mid-train", "mid-checkpoint", "before-promote", "after-promote")
 ITERATION_POINTS = ("mid-train",)  # the points passed with their iteration: only these answer to name[k]
 _KEY = re.compile(r"(?P<point>[a-z-]+)(\[(?P<iteration>[0-9]+)\])?")
 
 
-def _armed() -> dict[str, tuple[int, int]]:
-    """point name -> (pass that fires, signal)."""
+def _armed() -> dict[str, tuple[int, tuple[int, bool]]]:
+    """point name -> (pass that fires, (signal, to the whole group))."""
     spec = os.environ.get("LOCKSTEP_FAULT", "")
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
@@ -58,7 +67,7 @@ def _armed() -> dict[str, tuple[int, int]]:
             raise ValueError(f"{bad} signal {sig!r} of {name!r} is not one of {sorted(_SIGNALS)}")
         if name in out:
             raise ValueError(f"{bad} {name!r} is armed twice")
-        out[name] = (int(n) if at else 1, _SIGNALS[sig] if colon else signal.SIGKILL)
+        out[name] = (int(n) if at else 1, _SIGNALS[sig if colon else "KILL"])
     return out
 
 
@@ -70,7 +79,17 @@ def point(name: str, iteration: int | None = None) -> None:
         _passes[key] += 1
         n, sig = armed[key]
         if _passes[key] == n:
-            if sig == signal.SIGINT:
-                os.killpg(os.getpgrp(), sig)
+            sig, group = sig
+            if group:
+                _signal_group(sig)
             else:
                 os.kill(os.getpid(), sig)
+
+
+def _signal_group(sig: int) -> None:
+    """Send `sig` to this process's whole group from another process, as a terminal, a job scheduler or `kill` does:
+    the children take a SIGTERM only from this process (`tasks.workers.watch_parent`)."""
+    code = "import os, sys; os.killpg(int(sys.argv[1]), int(sys.argv[2]))"
+    subprocess.run(  # in a session of its own: outside the group it signals
+        [sys.executable, "-c", code, str(os.getpgrp()), str(int(sig))], check=True, start_new_session=True
+    )

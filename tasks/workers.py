@@ -152,16 +152,38 @@ def _orphaned(parent: int) -> bool:
     return os.getppid() != parent
 
 
-def _exit_with_parent(parent: int, period_s: float = 0.2) -> None:
-    """End this worker within `period_s` of its parent's death, whatever it is doing: an orphan that went on
-    generating would publish shards that a resumed run could train on beside its own copies of the same groups."""
+def watch_parent(parent: int, stop, period_s: float = 0.2) -> None:
+    """Call `stop()` from a daemon thread once this process's parent (pid `parent`) has died or, when this is called
+    on the main thread of a child process, has sent it SIGTERM (`Process.terminate`, Prefect's server stop).
+
+    Only the parent's SIGTERM counts: one sent to the whole process group (`kill -TERM -- -PGID`, a job scheduler,
+    systemd, `timeout`) reached the parent too, which stops its children as it unwinds; a child that stopped first
+    would fail what the parent is still waiting on (a rollout task's results, the Prefect API recording the run's
+    end). SIGTERM is blocked in the calling thread and in every thread started after it, so that `sigtimedwait`
+    here takes it; call this before the process starts other threads. On another thread (the unit tests run a
+    worker in one) only the parent's death is watched."""
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
     def watch() -> None:
         while not _orphaned(parent):
-            time.sleep(period_s)
-        os._exit(0)
+            if not main:
+                time.sleep(period_s)
+                continue
+            sent = signal.sigtimedwait({signal.SIGTERM}, period_s)
+            if sent is not None and sent.si_pid == parent:
+                break
+        stop()
 
     threading.Thread(target=watch, name="lockstep-parent-watch", daemon=True).start()
+
+
+def _exit_with_parent(parent: int, period_s: float = 0.2) -> None:
+    """End this worker within `period_s` of its parent's death, whatever it is doing: an orphan that went on
+    generating would publish shards that a resumed run could train on beside its own copies of the same groups.
+    A SIGTERM ends it only when the parent sent it (`watch_parent`)."""
+    watch_parent(parent, lambda: os._exit(0), period_s)
 
 
 @contextlib.contextmanager

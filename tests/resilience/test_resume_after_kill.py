@@ -220,14 +220,17 @@ def test_two_trainer_ranks_killed_mid_train_leave_nothing_running_and_resume(ref
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["TERM", "INT"], ids=["sigterm", "ctrl-c-to-the-group"])
+@pytest.mark.parametrize(
+    "stop", ["TERM", "INT", "GROUPTERM"], ids=["sigterm", "ctrl-c-to-the-group", "sigterm-to-the-group"]
+)
 def test_a_stop_ends_the_run_cleanly_and_resume_completes_it(reference, api, stop):
-    """SIGTERM (`kill`, a job scheduler's stop) mid-train, or a terminal's Ctrl-C (SIGINT to the whole process group:
-    the command, its rollout workers and its temporary Prefect API server), unwinds the run: exit 130 and the resume
-    command on the console, the MLflow run ended KILLED, nothing of the run left alive (rollout workers, the
-    ephemeral Prefect API server); `lockstep resume` then finishes it equal to the uninterrupted run. (Before
-    flows/api_server.py, the group's SIGINT shut the API server down first, and the command ended ~75 s later in a
-    ConnectError traceback, exit 1.)"""
+    """SIGTERM (`kill`) mid-train, a terminal's Ctrl-C (SIGINT to the whole process group: the command, its rollout
+    workers and its temporary Prefect API server) or SIGTERM to the whole group (a job scheduler, systemd,
+    `timeout`) unwinds the run: exit 130 and the resume command on the console, no traceback, the MLflow run ended
+    KILLED, nothing of the run left alive (rollout workers, the ephemeral Prefect API server); `lockstep resume`
+    then finishes it equal to the uninterrupted run. (Before flows/api_server.py, a signal to the group shut the API
+    server down first, and the command ended ~75 s later in a ConnectError traceback, exit 1; a rollout worker
+    killed by the group's SIGTERM failed its rollout task with a traceback.)"""
     tmp, ref_params = reference
     run_id = f"k-{stop.lower()}"
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})

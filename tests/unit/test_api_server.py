@@ -1,6 +1,6 @@
-"""flows/api_server.py: the temporary Prefect API server a command starts survives a terminal's Ctrl-C (SIGINT to the
-whole process group) and still stops on SIGTERM; it replaces Prefect's server command only where Prefect would
-start a server."""
+"""flows/api_server.py and tasks.workers.watch_parent: the temporary Prefect API server a command starts survives a
+terminal's Ctrl-C and the group's SIGTERM, and stops on its parent's SIGTERM or death; Prefect's server command is
+replaced only where Prefect would start a server."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def test_the_server_process_ignores_sigint_and_stops_on_sigterm(tmp_path):
+def test_the_server_process_ignores_sigint_and_others_sigterm_and_stops_on_its_parents(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.api_server", str(port)],
+        [sys.executable, "-m", "flows.api_server", str(port), str(os.getpid())],  # this test is its parent
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -47,13 +47,68 @@ def test_the_server_process_ignores_sigint_and_stops_on_sigterm(tmp_path):
             assert time.monotonic() < deadline, "the server never answered"
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        subprocess.run(["kill", "-TERM", "--", f"-{proc.pid}"], check=True)  # the group's SIGTERM, sent by another
         time.sleep(1.5)
-        assert proc.poll() is None and _healthy(port), "SIGINT stopped the server"
+        assert proc.poll() is None and _healthy(port), "SIGINT, or a SIGTERM not from its parent, stopped the server"
         proc.send_signal(signal.SIGTERM)  # what Prefect's stop at the command's exit sends
-        assert proc.wait(timeout=15) == -signal.SIGTERM  # uvicorn shuts down, then raises the signal it caught
+        assert proc.wait(timeout=15) == 0  # a graceful shutdown
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+CHILD = """
+import os, sys, time
+from tasks.workers import watch_parent
+watch_parent(int(sys.argv[1]), lambda: (print("stopped", flush=True), os._exit(0)), period_s=0.1)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _line(proc, timeout_s: float) -> str:
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(timeout_s), f"no line in {timeout_s} s"
+    return proc.stdout.readline().strip()
+
+
+def test_watch_parent_stops_on_the_parents_sigterm_only():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(os.getpid())], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert _line(proc, 30) == "ready"
+        subprocess.run(["kill", "-TERM", str(proc.pid)], check=True)  # not from its parent
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert _line(proc, 10) == "stopped" and proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_watch_parent_stops_when_the_parent_dies():
+    """The parent exits without a word (a SIGKILLed command): its child stops within a few periods."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parent = (
+        "import os, subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid())]); time.sleep(1.5)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent, CHILD], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert _line(proc, 30) == "ready"
+        assert proc.wait(timeout=30) == 0  # the parent is gone; its child still holds the pipe
+        assert _line(proc, 10) == "stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
             proc.wait()
 
 
@@ -77,12 +132,15 @@ def test_the_server_command_runs_this_module_on_the_servers_port(monkeypatch):
     monkeypatch.setattr(api_server.subprocess, "Popen", lambda args, env: started.append((args, env)))
     api_server._server_process(type("Server", (), {"port": 8123})())
     [(args, env)] = started
-    assert args == [sys.executable, "-m", "flows.api_server", "8123"]
+    assert args == [sys.executable, "-m", "flows.api_server", "8123", str(os.getpid())]
     assert env["PREFECT__SERVER_EPHEMERAL"] == "1" and env["PREFECT_UI_ENABLED"] == "0"
 
 
-def test_uvicorn_still_lists_the_signals_main_takes_sigint_out_of():
-    """`main` edits uvicorn's HANDLED_SIGNALS: if uvicorn renamed or dropped it, the edit would do nothing silently."""
+def test_uvicorn_still_installs_its_signal_handlers_through_capture_signals():
+    """`main` replaces the server's `capture_signals` so that uvicorn sets no handler of its own: if uvicorn renamed
+    it, the replacement would do nothing silently (uvicorn would stop on the group's SIGINT again)."""
+    import inspect
+
     import uvicorn.server
 
-    assert {signal.SIGINT, signal.SIGTERM} <= set(uvicorn.server.HANDLED_SIGNALS)
+    assert "self.capture_signals()" in inspect.getsource(uvicorn.server.Server.serve)

@@ -20,7 +20,7 @@ def sent(monkeypatch):
     calls = []
     monkeypatch.setattr(faults, "_passes", Counter())
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: calls.append((pid, sig)))
-    monkeypatch.setattr(faults.os, "killpg", lambda pgid, sig: calls.append((f"group {pgid}", sig)))
+    monkeypatch.setattr(faults, "_signal_group", lambda sig: calls.append(("group", sig)))
     return calls
 
 
@@ -42,7 +42,18 @@ def test_an_interrupt_goes_to_the_whole_process_group_as_a_terminals_ctrl_c(monk
     faults.point("mid-train", iteration=1)
     assert sent == []
     faults.point("mid-train", iteration=1)
-    assert sent == [(f"group {faults.os.getpgrp()}", signal.SIGINT)]
+    assert sent == [("group", signal.SIGINT)]
+
+
+def test_a_group_sigterm_goes_to_the_whole_process_group(monkeypatch, sent):
+    monkeypatch.setenv("LOCKSTEP_FAULT", "after-plan@1:GROUPTERM")
+    faults.point("after-plan")
+    assert sent == [("group", signal.SIGTERM)]
+
+
+def test_the_group_is_signalled_by_another_process():
+    """Signal 0 checks that the group can be signalled: the command runs, in a process of its own."""
+    faults._signal_group(0)
 
 
 def test_unarmed_point_does_nothing(monkeypatch, sent):
@@ -54,7 +65,7 @@ def test_unarmed_point_does_nothing(monkeypatch, sent):
 
 def test_unknown_signal_names_the_spec(monkeypatch, sent):
     monkeypatch.setenv("LOCKSTEP_FAULT", "mid-train@2:HUP")
-    message = r"LOCKSTEP_FAULT='mid-train@2:HUP': signal 'HUP' of 'mid-train' is not one of \['INT', 'KILL', 'TERM'\]"
+    message = r"LOCKSTEP_FAULT='mid-train@2:HUP': signal 'HUP' of 'mid-train' is not one of \['GROUPTERM', 'INT', 'KILL', 'TERM'\]"
     with pytest.raises(ValueError, match=message):
         faults.point("mid-train")
     assert sent == []
@@ -98,7 +109,7 @@ def test_plain_and_iteration_points_both_armed(monkeypatch, sent):
         ("after-plan@\u0661", r"pass '\u0661' of 'after-plan' is not a positive integer"),  # Arabic-Indic 1
         ("after-plan@", r"pass '' of 'after-plan' is not a positive integer"),
         ("mid-train[1]@:TERM", r"pass '' of 'mid-train\[1\]' is not a positive integer"),
-        ("after-plan@1:", r"signal '' of 'after-plan' is not one of \['INT', 'KILL', 'TERM'\]"),
+        ("after-plan@1:", r"signal '' of 'after-plan' is not one of \['GROUPTERM', 'INT', 'KILL', 'TERM'\]"),
         ("mid-train[1]@1,mid-train[01]@2", r"'mid-train\[1\]' is armed twice"),
     ],
 )
