@@ -4,9 +4,10 @@ Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the loc
 and the temporary API server, which Prefect starts as `python -m uvicorn` in that group. uvicorn shuts down on
 SIGINT, so the server was gone before the interrupted flow could record its end: Prefect's clients then retried the
 dead address for about two minutes and the command ended in a `ConnectError` traceback (exit 1) instead of unwinding
-(exit 130 and the resume command). With `install`, the server's process runs `main` below, which ignores SIGINT;
-the command's own process stops it with SIGTERM as it exits (Prefect's atexit), and a signal to the group that is
-not SIGINT (SIGTERM, SIGKILL, the terminal's SIGHUP) still ends it.
+(exit 130 and the resume command); a SIGTERM to the whole group (a job scheduler, systemd, `timeout`) did the same.
+With `install`, the server's process runs `main` below, which ignores SIGINT and takes SIGTERM only from the command
+(`tasks.workers.watch_parent`), which sends it as it exits (Prefect's atexit); it also stops if the command dies,
+and SIGKILL or the terminal's SIGHUP to the group still end it.
 
 `install` must run before anything of Prefect starts the server (a command's first flow)."""
 

@@ -152,7 +152,7 @@ def _orphaned(parent: int) -> bool:
     return os.getppid() != parent
 
 
-def watch_parent(parent: int, stop, period_s: float = 0.2) -> None:
+def watch_parent(parent: int, stop, period_s: float = 0.2, sigterm_from_parent_only: bool = True) -> None:
     """Call `stop()` from a daemon thread once this process's parent (pid `parent`) has died or, when this is called
     on the main thread of a child process, has sent it SIGTERM (`Process.terminate`, Prefect's server stop).
 
@@ -160,9 +160,11 @@ def watch_parent(parent: int, stop, period_s: float = 0.2) -> None:
     systemd, `timeout`) reached the parent too, which stops its children as it unwinds; a child that stopped first
     would fail what the parent is still waiting on (a rollout task's results, the Prefect API recording the run's
     end). SIGTERM is blocked in the calling thread and in every thread started after it, so that `sigtimedwait`
-    here takes it; call this before the process starts other threads. On another thread (the unit tests run a
-    worker in one) only the parent's death is watched."""
-    main = threading.current_thread() is threading.main_thread()
+    here takes it; call this before the process starts other threads. A signal mask survives exec: the processes
+    this one starts have SIGTERM blocked too (not wanted where a library stops its own processes with SIGTERM:
+    `sigterm_from_parent_only=False` leaves SIGTERM alone). On another thread (the unit tests run a worker in one),
+    or with it False, only the parent's death is watched."""
+    main = sigterm_from_parent_only and threading.current_thread() is threading.main_thread()
     if main:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
@@ -179,11 +181,11 @@ def watch_parent(parent: int, stop, period_s: float = 0.2) -> None:
     threading.Thread(target=watch, name="lockstep-parent-watch", daemon=True).start()
 
 
-def _exit_with_parent(parent: int, period_s: float = 0.2) -> None:
+def _exit_with_parent(parent: int, period_s: float = 0.2, sigterm_from_parent_only: bool = True) -> None:
     """End this worker within `period_s` of its parent's death, whatever it is doing: an orphan that went on
     generating would publish shards that a resumed run could train on beside its own copies of the same groups.
     A SIGTERM ends it only when the parent sent it (`watch_parent`)."""
-    watch_parent(parent, lambda: os._exit(0), period_s)
+    watch_parent(parent, lambda: os._exit(0), period_s, sigterm_from_parent_only)
 
 
 @contextlib.contextmanager
@@ -443,7 +445,9 @@ def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, pare
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if threading.current_thread() is threading.main_thread():  # (the unit tests run a worker in a thread)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the flow stops the pool
-    _exit_with_parent(parent)
+    # vLLM's engine runs in processes it starts from this one and stops with SIGTERM: they must not inherit it
+    # blocked (unrun here: no GPU), so a vLLM worker still dies of a SIGTERM sent to the whole group
+    _exit_with_parent(parent, sigterm_from_parent_only=spec.engine != "vllm")
     try:
         w = _Worker(worker_id, spec, commands, parent)
         results.put(("ready", worker_id))

@@ -61,7 +61,8 @@ def test_the_server_process_ignores_sigint_and_others_sigterm_and_stops_on_its_p
 CHILD = """
 import os, sys, time
 from tasks.workers import watch_parent
-watch_parent(int(sys.argv[1]), lambda: (print("stopped", flush=True), os._exit(0)), period_s=0.1)
+only = sys.argv[2:] != ["any-sigterm"]
+watch_parent(int(sys.argv[1]), lambda: (print("stopped", flush=True), os._exit(0)), 0.1, sigterm_from_parent_only=only)
 print("ready", flush=True)
 time.sleep(60)
 """
@@ -88,6 +89,26 @@ def test_watch_parent_stops_on_the_parents_sigterm_only():
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert _line(proc, 10) == "stopped" and proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_watch_parent_can_leave_sigterm_alone():
+    """`sigterm_from_parent_only=False` (a vLLM worker): SIGTERM is not blocked, and anyone's ends the process."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(os.getpid()), "any-sigterm"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert _line(proc, 30) == "ready"
+        subprocess.run(["kill", "-TERM", str(proc.pid)], check=True)  # not from its parent
+        assert proc.wait(timeout=10) == -signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
