@@ -568,9 +568,12 @@ def _format_errors(err: ValidationError, source: str, overrides: dict[str, str] 
         if e["loc"]:  # an override of the field or of a key below it, else of a section above it
             by = next((item for key, item in overrides.items() if f"{key}.".startswith(f"{loc}.")), None)
             by = by or next((item for key, item in overrides.items() if f"{loc}.".startswith(f"{key}.")), None)
-        else:  # a cross-field error: the overrides of the fields its message names
+        else:  # a cross-field error: the overrides of the fields its message names, or of keys below them
+            named = re.findall(r"(?<![\w.])\w+(?:\.\w+)+", msg)
             by = ", -o ".join(
-                item for key, item in overrides.items() if re.search(rf"(?<![\w.]){re.escape(key)}\b", msg)
+                item
+                for key, item in overrides.items()
+                if re.search(rf"(?<![\w.]){re.escape(key)}\b", msg) or any(key.startswith(f"{n}.") for n in named)
             )
         lines.append(f"  {loc}: {msg}{got}" + (f" (set by -o {by})" if by else ""))
     return "\n".join(lines)

@@ -818,6 +818,9 @@ def test_a_cross_field_error_names_the_overrides_of_the_fields_it_names():
     msg = load_error(None, ["rollout.prompts_per_iteration=5000", "task.n_eval=100", "run.seed=3"])
     assert msg.splitlines()[1].startswith("  (top level): rollout.prompts_per_iteration=5000 exceeds the ")
     assert msg.splitlines()[1].endswith("(set by -o rollout.prompts_per_iteration=5000, -o task.n_eval=100)")
+    msg = load_error(None, ["task.dataset.uri=x.jsonl", "task.n_eval=100", "run.seed=3"])  # a key below a named one
+    assert msg.splitlines()[1].startswith("  (top level): task.dataset is set but task.kind is 'arithmetic'")
+    assert msg.splitlines()[1].endswith("remove the task.dataset section (set by -o task.dataset.uri=x.jsonl)")
 
 
 def test_an_unknown_key_is_named_with_the_keys_its_section_takes(tmp_path):
