@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from tasks.workers import PoolClosed
+
 
 def _quiet_environment() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -34,7 +36,11 @@ class _DropReported(logging.Filter):
     interrupt signal.", "Finished in state Crashed(...)" per task and flow run), which the CLI reports as a stop with
     the command to resume; the runs still end Failed or Crashed, with the message, in Prefect's own records."""
 
-    STOPPED = ("Execution was aborted by an interrupt signal.", "Execution was aborted by a termination signal.")
+    STOPPED = (
+        "Execution was aborted by an interrupt signal.",
+        "Execution was aborted by a termination signal.",
+        PoolClosed.WORDS,  # a rollout task cancelled by the stop's cleanup
+    )
 
     def __init__(self, errors: tuple[type[BaseException], ...]):
         super().__init__()
@@ -88,6 +94,7 @@ class _Progress:
         self.total = 0
         self.t_start = time.perf_counter()
         self.done_iters = 0
+        self.first_done: float | None = None
         self.run_id: str | None = None  # known once the flow has set the run up
 
     def _line(self, text: str) -> None:
@@ -109,8 +116,14 @@ class _Progress:
             self.accuracy, self.total = e["accuracy"], e["iterations"]
             self.t_start = time.perf_counter()
             self.first = e["start"]
+            self.first_done = None  # when this process's first iteration ended
             self.iters = self.progress.add_task("RL", total=e["iterations"], completed=e["start"], info="")
-            self.console.print(f"run {e['run_id']}: initial held-out accuracy {e['accuracy']:.3f}")
+            if e["start"]:  # a resumed run: its accuracy now is that of the version it resumed from
+                self.console.print(
+                    f"run {e['run_id']}: held-out accuracy {e['accuracy']:.3f} at v{e['start']} (resumed)"
+                )
+            else:
+                self.console.print(f"run {e['run_id']}: initial held-out accuracy {e['accuracy']:.3f}")
         elif kind == "iteration":
             self.accuracy = e.get("eval/accuracy", self.accuracy)
             k = e["iteration"] + 1
@@ -119,8 +132,14 @@ class _Progress:
                 f"train {e['perf/train_tokens_per_s']:.0f} tok/s"
             )
             self.progress.update(self.iters, completed=k, info=info)
+            now = time.perf_counter()
+            if self.first_done is None:
+                self.first_done = now
             if k % max(1, self.total // 20) == 0 or "eval/accuracy" in e or k == self.total:
-                per_iter = (time.perf_counter() - self.t_start) / max(1, k - self.first)
+                # the first iteration this process runs also starts its workers and loads their weights: the time
+                # left is taken from the iterations after it, once there are some
+                done = k - self.first - 1
+                per_iter = (now - self.first_done) / done if done > 0 else now - self.t_start
                 self._line(
                     f"iteration {k}/{self.total} {info} {e['time/iteration_s']:.2f} s/it "
                     f"eta {per_iter * (self.total - k):.0f} s"

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -35,7 +37,7 @@ from tasks.iteration import (
     serve_task,
     train_task,
 )
-from tasks.session import RunSession, default_run_id, open_session, unregister
+from tasks.session import RunSession, open_session, unregister
 
 
 def _batch_task_run_records() -> None:
@@ -62,6 +64,26 @@ def _no_progress(event: dict) -> None:
 
 
 progress_hook: Callable[[dict], None] = _no_progress
+
+
+@contextlib.contextmanager
+def _sigterm_held():
+    """A SIGTERM that lands while the run cleans up waits until the cleanup is done; yields the list of those held.
+
+    A supervisor stopping a served run (systemd, `timeout`, a job scheduler: SIGTERM to the whole process group)
+    signals the flow's process twice: the group's SIGTERM, then, milliseconds later, the Prefect runner's own as it
+    shuts down. The second raised inside the first one's cleanup and cut it short, leaving the MLflow run RUNNING
+    (3 of 3 tries). Only the main thread runs Python's signal handlers, so elsewhere this does nothing; a held signal
+    is for the caller to pass on (`os.kill`) or drop. The runner still kills the process 30 s after its SIGTERM."""
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _iteration(s: RunSession, k: int) -> dict:
@@ -187,14 +209,13 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         resume = True
     t_start = time.perf_counter()
     _lower_api_server_priority(cfg.resources.api_server_nice)
-    cfg.run.run_id = default_run_id(cfg)  # made up here when not given, so that a stop in the bootstrap can name it
-    progress_hook({"event": "setup", "run_id": cfg.run.run_id})
     s = open_session(
         cfg,
         on_progress=lambda step, loss: progress_hook(
             {"event": "bootstrap", "step": step, "steps": cfg.bootstrap.steps, "loss": loss}
         ),
         resume=resume,
+        on_run_id=lambda run_id: progress_hook({"event": "setup", "run_id": run_id}),  # a stop from here names it
     )
     status = "FAILED"
     audit: list = []  # the future of the previous iteration's audit task (submitted beside this iteration)
@@ -279,12 +300,36 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
         status = "KILLED"  # stopped, not failed
         raise
     finally:
-        with contextlib.ExitStack() as cleanup:  # the session closes and leaves the registry even if MLflow cannot
-            cleanup.callback(unregister, s.run_id)  # callbacks run last-in first-out: close, then unregister
+        with _sigterm_held() as held, contextlib.ExitStack() as cleanup:  # the session closes and leaves the
+            # registry even if MLflow cannot; callbacks run last-in first-out: close, then unregister
+            cleanup.callback(unregister, s.run_id)
             cleanup.callback(s.close)  # the workers, the background checkpoint, the shared weights
             for f in audit:  # a failure or a stop cut the run short: let the audit beside it end before the session
                 f.wait()
             s.tracker.finish(status)
+        if status != "FINISHED" and progress_hook is _no_progress:  # no CLI to say it: a served or deployed run
+            _log_resume_hint(s, status)
+        if held and status != "KILLED":  # asked to stop as the run ended otherwise: stop now (a stop is one already)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _log_resume_hint(s: RunSession, status: str) -> None:
+    """The command that continues a stopped or failed run, in the flow run's log (serve's output, the Prefect UI),
+    where the Prefect run's name is not the lake's run id."""
+    import logging
+
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        logger = get_run_logger()
+    except MissingContextError:  # the flow's function called without Prefect (tests)
+        logger = logging.getLogger("lockstep")
+    lake = s.lake.url(s.lake.root)  # absolute: the user's shell is not the served process's folder
+    logger.warning(
+        f"run {s.run_id} {'stopped' if status == 'KILLED' else 'failed'}; it keeps its promoted versions: continue it "
+        f"with `lockstep resume {s.run_id} --lake {lake}`"
+    )
 
 
 def _async_rollout_figures(s: RunSession, k: int, wait_s: float = 10.0) -> list[dict]:

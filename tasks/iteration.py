@@ -19,7 +19,7 @@ from models.trainer import RolloutGroup, group_tokens, lr_factor
 from storage import checkpoints, faults, ledger
 from storage.shards import ShardError, read_shard
 from tasks.session import evaluate, iteration_prompt_ids, session
-from tasks.workers import Chunk, WorkerError
+from tasks.workers import Chunk, PoolClosed, WorkerError
 
 POLL_S = 0.01
 
@@ -108,7 +108,18 @@ def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]
 def rollout_task(run_id: str, iteration: int, worker: int) -> dict:
     """One rollout worker drains the iteration's chunk queue; returns its shards and busy time."""
     s = session(run_id)
-    return s.pool.run(worker, s.version, s.weights_source())
+    return _unless_closed(lambda: s.pool.run(worker, s.version, s.weights_source()))
+
+
+def _unless_closed(wait_for_worker):
+    """What `wait_for_worker` returns, or, where the run ended while it waited (the pool closed by a stop or by
+    another task's failure), a Cancelled state: one line in the run's log instead of a closed queue's traceback."""
+    from prefect.states import Cancelled
+
+    try:
+        return wait_for_worker()
+    except PoolClosed as e:
+        return Cancelled(message=str(e))
 
 
 @task(name="rollout-serve", cache_policy=NO_CACHE)
@@ -117,13 +128,15 @@ def serve_task(run_id: str, worker: int) -> dict:
     admission control (`pipeline.max_staleness`), loading each promoted version as it is announced."""
     s = session(run_id)
     c = s.cfg
-    return s.pool.serve(
-        worker,
-        s.version,
-        s.lake.checkpoint_dir(run_id, s.version),
-        c.pipeline.max_staleness,
-        c.rollout.interrupt_on_update,
-        on_shard=lambda info: s.shard_info.__setitem__(info["path"], info),
+    return _unless_closed(
+        lambda: s.pool.serve(
+            worker,
+            s.version,
+            s.lake.checkpoint_dir(run_id, s.version),
+            c.pipeline.max_staleness,
+            c.rollout.interrupt_on_update,
+            on_shard=lambda info: s.shard_info.__setitem__(info["path"], info),
+        )
     )
 
 

@@ -465,26 +465,54 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
     )
 
 
-def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSession:
-    """Create the run (or reopen it with `resume`): frozen config, v0, trainer, rollout workers, MLflow run."""
-    run_id = validate_run_id(default_run_id(cfg))
+MAX_DEFAULT_ID_TRIES = 100
+
+
+def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=None) -> RunSession:
+    """Create the run (or reopen it with `resume`): frozen config, v0, trainer, rollout workers, MLflow run.
+
+    Without `run.run_id` the run is named `{run.name}-{UTC time to the second}`, with `-2`, `-3`, ... added where a
+    run of that name exists or is being created (two runs started in the same second: a cron and a click, two
+    clicks); `on_run_id` hears the run's id once it is the run's own (its lease held), before the bootstrap."""
+    auto_id = cfg.run.run_id is None and not resume
+    base_id = validate_run_id(default_run_id(cfg))
     device = check_backend(cfg)  # before any work: the device exists, the optional extras are installed
     cfg = cfg.model_copy(deep=True)
-    cfg.run.run_id = run_id
     lake = Lake(cfg.lake.uri)
     torch.set_num_threads(cfg.resources.train_threads)
-    config_path = f"{lake.run_dir(run_id)}/config.json"
     check_tracking(cfg)  # before the run is written and the bootstrap's minutes are spent
-    exists = lake.fs.exists(config_path)
-    if exists and not resume:
-        raise _run_exists(cfg, run_id, lake)
-    if resume and not exists:
-        raise FileNotFoundError(f"no run {run_id} in {cfg.lake.uri} to resume ({config_path} is missing)")
-    if not exists:
+    if resume and not lake.fs.exists(_config_path(lake, base_id)):
+        raise FileNotFoundError(
+            f"no run {base_id} in {cfg.lake.uri} to resume ({_config_path(lake, base_id)} is missing)"
+        )
+    if not resume and not auto_id and lake.fs.exists(_config_path(lake, base_id)):
+        raise _run_exists(cfg, base_id, lake)
+    if not resume:
         check_inputs(cfg)  # a model or dataset that cannot be read fails here, before the run exists
         check_task(cfg)
-    held = lease.acquire(lake, run_id, "resume" if resume else "train")  # before anything of the run is touched
+    candidates = (base_id if n == 1 else f"{base_id}-{n}" for n in range(1, MAX_DEFAULT_ID_TRIES + 1))
+    for run_id in map(validate_run_id, candidates) if auto_id else [base_id]:
+        if auto_id and lake.fs.exists(_config_path(lake, run_id)):
+            continue
+        try:
+            held = lease.acquire(lake, run_id, "resume" if resume else "train")  # before anything of it is touched
+        except lease.RunInUseError:
+            if auto_id:  # another run of the same second is being created under this name
+                continue
+            raise
+        if resume or not lake.fs.exists(_config_path(lake, run_id)):
+            break
+        held.release()  # a `lockstep train` of the same run id ended while this one checked
+        if not auto_id:
+            raise _run_exists(cfg, run_id, lake, ask_holder=False)
+    else:
+        raise RunExistsError(
+            f"runs {base_id} to {run_id} all exist in {cfg.lake.uri}: set run.run_id, or another run.name"
+        )
+    cfg.run.run_id = run_id
     try:
+        if on_run_id is not None:
+            on_run_id(run_id)
         session = _open_held(cfg, lake, run_id, device, resume, on_progress)
     except BaseException:
         held.release()
@@ -494,14 +522,23 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False) -> RunSess
     return session
 
 
-def _run_exists(cfg: Config, run_id: str, lake: Lake | None = None) -> RunExistsError:
-    """The refusal of a `train` of an existing run; with `lake` (the lease not held by this process), naming the
-    process that runs it now, if one does."""
-    held_by = lease.holder(lake, run_id) if lake is not None else None
+def _config_path(lake: Lake, run_id: str) -> str:
+    return f"{lake.run_dir(run_id)}/config.json"
+
+
+def _run_exists(cfg: Config, run_id: str, lake: Lake, ask_holder: bool = True) -> RunExistsError:
+    """The refusal of a `train` of an existing run: naming the process that runs it now, if one does (asked unless
+    this process holds the lease), or saying that it finished (a resume would have nothing to do)."""
+    held_by = lease.holder(lake, run_id) if ask_holder else None
     if held_by is not None:  # running now: a resume would be refused too
         return RunExistsError(
             f"run {run_id} already exists in {cfg.lake.uri} and is in use by "
             f"{lease.describe(held_by)}: choose another run.run_id"
+        )
+    if lake.fs.exists(f"{lake.run_dir(run_id)}/summary.json"):
+        return RunExistsError(
+            f"run {run_id} already exists in {cfg.lake.uri} and has finished: choose another run.run_id, or leave "
+            "it unset to name each run by its start time"
         )
     return RunExistsError(
         f"run {run_id} already exists in {cfg.lake.uri}: continue it with "
@@ -511,15 +548,12 @@ def _run_exists(cfg: Config, run_id: str, lake: Lake | None = None) -> RunExists
 
 def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resume: bool, on_progress) -> RunSession:
     """`open_session` once the run's lease is held: nobody else writes the run from here."""
-    config_path = f"{lake.run_dir(run_id)}/config.json"
     if resume:
         tmp_dir = f"{lake.run_dir(run_id)}/_tmp"
         if lake.fs.exists(tmp_dir):  # leftovers of writes cut short by the crash; never read by anyone
             lake.fs.rm(tmp_dir, recursive=True)
-    elif lake.fs.exists(config_path):  # a `lockstep train` of the same run id that ended while this one checked
-        raise _run_exists(cfg, run_id)
     else:
-        atomic_write_bytes(lake, run_id, config_path, resolved_json(cfg).encode())
+        atomic_write_bytes(lake, run_id, _config_path(lake, run_id), resolved_json(cfg).encode())
 
     torch.set_num_threads(os.cpu_count() or 1)  # no rollout worker runs yet: the bootstrap may use every core
     v0_dir, cached = bootstrap_v0(cfg, lake, on_progress)

@@ -474,6 +474,13 @@ class WorkerError(RuntimeError):
     pass
 
 
+class PoolClosed(WorkerError):
+    """The pool was closed while a task still waited for a worker's answer: the run is ending (a stop, or a failure
+    elsewhere), not a failure of that task."""
+
+    WORDS = "was stopped as the run ended while this task waited for it"
+
+
 def _terminate(procs: list) -> None:
     for p in procs:
         if p.is_alive():
@@ -482,6 +489,8 @@ def _terminate(procs: list) -> None:
 
 class WorkerPool:
     """Spawned rollout workers plus the shared chunk queue. One pool per run, kept across iterations."""
+
+    closed = False  # set first thing by `close`: a task still waiting for a worker then ends as `PoolClosed`
 
     def __init__(self, n_workers: int, spec: WorkerSpec, start_timeout_s: float = 300.0, wait_ready: bool = True):
         """Spawn the workers; with `wait_ready` false, return at once and let each worker's first command wait
@@ -573,6 +582,14 @@ class WorkerPool:
             q.put(("stop",))
 
     def _next(self, w: int, timeout_s: float = 3600.0):
+        try:
+            return self._next_message(w, timeout_s)
+        except (WorkerError, ValueError, OSError):  # the worker it stopped, or a queue closed under the wait
+            if self.closed:
+                raise PoolClosed(f"rollout worker {w} {PoolClosed.WORDS}") from None
+            raise
+
+    def _next_message(self, w: int, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -603,6 +620,7 @@ class WorkerPool:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell every worker to exit; one still alive `timeout_s` later is killed, and reaped."""
+        self.closed = True
         for q in self.commands:
             q.put(("exit",))
         for p in self.procs:

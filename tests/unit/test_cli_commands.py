@@ -496,6 +496,7 @@ def test_prefects_crash_line_for_a_stop_is_left_to_the_cli_and_other_crashes_are
         "Crash detected! Execution was aborted by an interrupt signal.",
         "Crash detected! Execution was aborted by a termination signal.",
         "Finished in state Crashed('Execution was aborted by a termination signal.')",
+        "Finished in state Cancelled('rollout worker 0 was stopped as the run ended while this task waited for it')",
     ]
     other = "Crash detected! Execution was aborted by Python system exit call."
     with caplog.at_level(logging.ERROR), cli._reported_by_cli(ValueError):

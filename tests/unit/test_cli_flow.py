@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -82,8 +82,9 @@ class _Run:
         s.close = lambda: self.calls.append(("close",))
         self.s = s
 
-        def open_session(cfg, on_progress=None, resume=False):
+        def open_session(cfg, on_progress=None, resume=False, on_run_id=None):
             self.calls.append(("open", resume))
+            on_run_id(s.run_id)  # as the real one does once the run's lease is held
             return s
 
         def iteration(s_, k):
@@ -189,6 +190,88 @@ def test_a_stopped_run_ends_killed_and_a_failed_one_marks_its_iteration(tmp_path
         ("mark_failed", 1, "RuntimeError: boom"),
         ("finish", "FAILED"),
     ]
+
+
+@pytest.fixture
+def prefects_sigterm_handler():
+    """SIGTERM raises TerminationSignal, as while Prefect runs a flow."""
+    from prefect.exceptions import TerminationSignal
+
+    def raise_termination(signum, frame):
+        raise TerminationSignal(signal=signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_termination)
+    yield raise_termination
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _signalled_finish(run: _Run) -> None:
+    """The run's MLflow `finish` gets a SIGTERM to the process first, as the Prefect runner's own would land."""
+
+    def finish(status: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler has run (at the latest at this call's return)
+        run.calls.append(("finish", status))
+
+    run.s.tracker.finish = finish
+
+
+def test_a_second_sigterm_in_a_stops_cleanup_waits_until_the_cleanup_is_done(
+    tmp_path, monkeypatch, prefects_sigterm_handler
+):
+    """A supervisor stopping `lockstep serve` (systemd, `timeout`: SIGTERM to the whole group) signals the served
+    flow's process twice, the group's SIGTERM and the Prefect runner's own as it shuts down: the second, raised
+    inside the first one's cleanup, left the MLflow run RUNNING (3 of 3 tries). It is held until the cleanup is
+    done, then dropped (the run is stopping already), and the handler is Prefect's again."""
+    from prefect.exceptions import TerminationSignal
+
+    run = _Run(tmp_path, monkeypatch, ["run.iterations=3"], fail_at=(1, TerminationSignal(signal=signal.SIGTERM)))
+    _signalled_finish(run)
+    with pytest.raises(TerminationSignal) as stopped:
+        run()
+    assert stopped.value.__context__ is None  # the first stop's, not one raised inside its cleanup
+    assert [c for c in run.calls if c[0] in ("finish", "close", "unregister")] == [
+        ("finish", "KILLED"),
+        ("close",),
+        ("unregister", "r1"),
+    ]
+    assert signal.getsignal(signal.SIGTERM) is prefects_sigterm_handler
+
+
+def test_a_sigterm_while_a_finished_run_cleans_up_stops_the_process_after_it(
+    tmp_path, monkeypatch, prefects_sigterm_handler
+):
+    from prefect.exceptions import TerminationSignal
+
+    run = _Run(tmp_path, monkeypatch, ["run.iterations=3"])
+    _signalled_finish(run)
+    with pytest.raises(TerminationSignal):  # asked to stop: it does, once the finished run is recorded and closed
+        run()
+    assert [c for c in run.calls if c[0] in ("finish", "close", "unregister")] == [
+        ("finish", "FINISHED"),
+        ("close",),
+        ("unregister", "r1"),
+    ]
+    assert json.loads(run.summary_file.read_text())["promoted_version"] == 3
+
+
+@pytest.mark.parametrize("stop,word", [(KeyboardInterrupt(), "stopped"), (RuntimeError("boom"), "failed")])
+def test_a_run_no_cli_drives_logs_how_to_resume_it(tmp_path, monkeypatch, caplog, stop, word):
+    """A served or deployed run (no CLI to print the resume command; its Prefect name is not the lake's run id)
+    says in its log how to continue it; a run the CLI drives leaves that to the CLI."""
+    run = _Run(tmp_path, monkeypatch, ["run.iterations=3"], fail_at=(1, stop))
+    monkeypatch.setattr(train_mod, "progress_hook", train_mod._no_progress)
+    with caplog.at_level(logging.WARNING, logger="lockstep"), pytest.raises(type(stop)):
+        run()
+    assert [r.getMessage() for r in caplog.records if r.name == "lockstep"] == [
+        f"run r1 {word}; it keeps its promoted versions: continue it with `lockstep resume r1 --lake "
+        f"{tmp_path / 'lake'}`"
+    ]
+    caplog.clear()
+    run = _Run(tmp_path, monkeypatch, ["run.iterations=3"], fail_at=(1, stop))  # the CLI's progress hook
+    with caplog.at_level(logging.WARNING, logger="lockstep"), pytest.raises(type(stop)):
+        run()
+    assert [r for r in caplog.records if r.name == "lockstep"] == []
 
 
 def test_a_lost_lease_stops_the_run_before_the_next_iteration(tmp_path, monkeypatch):
@@ -408,23 +491,25 @@ def test_a_train_stopped_before_its_run_started(monkeypatch, capsys, tmp_path, r
 
 
 def test_a_train_stopped_in_its_bootstrap_names_the_run_it_made_up(monkeypatch, capsys, tmp_path):
-    """No run.run_id: the flow makes one up before the session writes the run, and says it at setup, so a stop in
-    the bootstrap (the run written, its `start` event not yet sent) names that run and how to resume it."""
+    """No run.run_id: the session makes one up and says it as soon as the run's lease is held (`on_run_id`), before
+    it writes the run, and the flow passes it on at setup, so a stop in the bootstrap (the run written, its `start`
+    event not yet sent) names that run and how to resume it."""
     lake = tmp_path / "lake"
     events, opened = [], []
+    run_id = "arith-tiny-20261205-120000-2"  # a name the session may choose (another run took the first)
 
-    def open_session(cfg, on_progress=None, resume=False):
+    def open_session(cfg, on_progress=None, resume=False, on_run_id=None):
         opened.append(cfg.run.run_id)
-        (lake / "runs" / cfg.run.run_id).mkdir(parents=True)
-        (lake / "runs" / cfg.run.run_id / "config.json").write_text("{}")
+        on_run_id(run_id)
+        (lake / "runs" / run_id).mkdir(parents=True)
+        (lake / "runs" / run_id / "config.json").write_text("{}")
         raise KeyboardInterrupt  # Ctrl-C in the bootstrap
 
     monkeypatch.setattr(train_mod, "open_session", open_session)
     monkeypatch.setattr(train_mod, "progress_hook", events.append)
     with pytest.raises(KeyboardInterrupt):
         train_mod.train_flow.fn(config_path=ARITH, overrides=[f"lake.uri={lake}"])
-    [run_id] = opened
-    assert re.fullmatch(r"arith-tiny-\d{8}-\d{6}", run_id) and events == [{"event": "setup", "run_id": run_id}]
+    assert opened == [None] and events == [{"event": "setup", "run_id": run_id}]  # the id is the session's to choose
     _flow_returning(monkeypatch, before=events, error=KeyboardInterrupt())
     assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}"]) == 130
     assert squash(
@@ -476,13 +561,36 @@ def test_progress_lines_of_a_resumed_run_in_a_log(monkeypatch):
     progress({"event": "start", "run_id": "r1", "iterations": 45, "start": 40, "accuracy": 0.5})
     figures = {"reward/mean": 0.5, "perf/gen_tokens_per_s": 100.0, "perf/train_tokens_per_s": 50.0}
     for k in range(40, 45):
-        clock.now += 5.0
+        clock.now += 20.0 if k == 40 else 5.0  # the first also started the workers and loaded their weights
         progress({"event": "iteration", "iteration": k, "time/iteration_s": 5.0, **figures})
     lines = out.getvalue().splitlines()
-    assert lines[0] == "run r1: initial held-out accuracy 0.500"
+    assert lines[0] == "run r1: held-out accuracy 0.500 at v40 (resumed)"
     # every 2 iterations (45 // 20), and iteration 45 as the last
     assert [ln.split()[1] for ln in lines[1:]] == ["42/45", "44/45", "45/45"]
-    assert lines[1].endswith("5.00 s/it eta 15 s")  # 2 iterations in 10 s since the resume, 3 to go
+    assert lines[1].endswith("5.00 s/it eta 15 s")  # the iteration after the first took 5 s, 3 to go
+    assert lines[2].endswith("eta 5 s")
+
+
+def test_the_first_progress_line_of_a_new_run(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(cli, "time", clock)
+    out = io.StringIO()
+    progress = cli._Progress(cli._console(file=out, width=300))
+    progress({"event": "start", "run_id": "r1", "iterations": 20, "start": 0, "accuracy": 0.25})
+    clock.now += 3.0
+    progress(
+        {
+            "event": "iteration",
+            "iteration": 0,
+            "time/iteration_s": 3.0,
+            "reward/mean": 0.5,
+            "perf/gen_tokens_per_s": 100.0,
+            "perf/train_tokens_per_s": 50.0,
+        }
+    )
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "run r1: initial held-out accuracy 0.250"
+    assert lines[1].endswith("3.00 s/it eta 57 s")  # one iteration so far: its own time, 19 to go
 
 
 # ------------------------------------------------------------------------------------------------ replay

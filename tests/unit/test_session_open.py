@@ -130,3 +130,102 @@ def test_a_session_that_fails_to_open_closes_its_trainer_and_gives_back_the_leas
         session_module.open_session(cfg)
     assert closed == [True]
     assert lease.holder(Lake(cfg.lake.uri), "r1") is None
+
+
+MADE_UP = "arith-tiny-20261205-120000"  # the id a run without run.run_id makes up, fixed here (it reads the clock)
+
+
+@pytest.fixture
+def choosing(tmp_path, monkeypatch):
+    """`open_session` of a config without run.run_id, up to the run's lease: what it opens past that is recorded.
+    Yields the config, its lake, a function that opens a session and returns it, and the ids `on_run_id` heard."""
+    monkeypatch.setattr(session_module, "default_run_id", lambda cfg: cfg.run.run_id or MADE_UP)
+    monkeypatch.setattr(
+        session_module, "_open_held", lambda cfg, lake, run_id, *rest: SimpleNamespace(run_id=run_id, cfg=cfg)
+    )
+    cfg = load_config(None, [f"lake.uri={tmp_path / 'lake'}", "tracking.enabled=false", "bootstrap.steps=0", *SMALL])
+    heard, opened = [], []
+
+    def open_one():
+        opened.append(session_module.open_session(cfg, on_run_id=heard.append))
+        return opened[-1]
+
+    yield cfg, Lake(cfg.lake.uri), open_one, heard
+    for s in opened:
+        s.lease.release()
+        session_module.unregister(s.run_id)
+
+
+def _created(lake: Lake, run_id: str) -> None:
+    lake.fs.makedirs(lake.run_dir(run_id), exist_ok=True)
+    lake.fs.pipe_file(f"{lake.run_dir(run_id)}/config.json", b"{}")
+
+
+def test_a_made_up_run_id_takes_the_next_free_name_when_a_run_of_that_second_exists(choosing):
+    """Two runs started in the same second (a scheduled run and a click, two clicks in the Prefect UI): the second
+    was refused with "choose another run.run_id", which its user never set. Now it takes `-2`, `-3`, ..."""
+    cfg, lake, open_one, heard = choosing
+    _created(lake, MADE_UP)
+    _created(lake, f"{MADE_UP}-2")
+    s = open_one()
+    assert s.run_id == f"{MADE_UP}-3" and s.cfg.run.run_id == f"{MADE_UP}-3" and heard == [f"{MADE_UP}-3"]
+    assert lease.holder(lake, f"{MADE_UP}-3")["command"] == "train"
+    assert session_module.session(f"{MADE_UP}-3") is s and cfg.run.run_id is None  # the caller's config untouched
+    s2 = open_one()  # the next one of the same second: past the run just opened
+    assert s2.run_id == f"{MADE_UP}-4" and heard[-1] == f"{MADE_UP}-4"
+
+
+def test_a_made_up_run_id_passes_a_name_another_process_is_creating(choosing):
+    """A run of the same second still checking its inputs holds the name's lease, its config.json not yet written;
+    and one can write its config.json just before this one takes the lease: either way the next name is taken,
+    and the lease of a name given up is released."""
+    cfg, lake, open_one, heard = choosing
+    acquire = lease.acquire
+
+    def another_wrote_it_first(lake_, run_id, command):
+        if run_id == f"{MADE_UP}-3":
+            _created(lake, run_id)
+        return acquire(lake_, run_id, command)
+
+    with lease.acquire(lake, MADE_UP, "train"):  # the other run, still checking its inputs
+        assert open_one().run_id == f"{MADE_UP}-2"
+        session_module.lease.acquire = another_wrote_it_first
+        try:
+            assert open_one().run_id == f"{MADE_UP}-4"  # -2 is the run opened above, -3 written as it took the lease
+        finally:
+            session_module.lease.acquire = acquire
+    assert lease.holder(lake, f"{MADE_UP}-3") is None and heard == [f"{MADE_UP}-2", f"{MADE_UP}-4"]
+    assert open_one().run_id == MADE_UP  # its creator gave it up before writing it: free again
+
+
+def test_a_given_run_id_is_never_changed(choosing, monkeypatch):
+    """run.run_id set: an existing run of that id is refused, as before; a resume keeps it."""
+    cfg, lake, open_one, heard = choosing
+    cfg.run.run_id = MADE_UP
+    _created(lake, MADE_UP)
+    with pytest.raises(session_module.RunExistsError) as e:
+        open_one()
+    assert str(e.value) == (
+        f"run {MADE_UP} already exists in {cfg.lake.uri}: continue it with `lockstep resume {MADE_UP} --lake "
+        f"{cfg.lake.uri}` or choose another run.run_id"
+    )
+    lake.fs.pipe_file(f"{lake.run_dir(MADE_UP)}/summary.json", b"{}")  # finished: a resume would have nothing to do
+    with pytest.raises(session_module.RunExistsError) as e:
+        open_one()
+    assert str(e.value) == (
+        f"run {MADE_UP} already exists in {cfg.lake.uri} and has finished: choose another run.run_id, or leave it "
+        "unset to name each run by its start time"
+    )
+    assert heard == [] and not lake.fs.exists(lake.run_dir(f"{MADE_UP}-2"))
+
+
+def test_made_up_run_ids_run_out_after_a_hundred_names(choosing):
+    cfg, lake, open_one, heard = choosing
+    for n in range(1, session_module.MAX_DEFAULT_ID_TRIES + 1):
+        _created(lake, MADE_UP if n == 1 else f"{MADE_UP}-{n}")
+    with pytest.raises(session_module.RunExistsError) as e:
+        open_one()
+    assert str(e.value) == (
+        f"runs {MADE_UP} to {MADE_UP}-100 all exist in {cfg.lake.uri}: set run.run_id, or another run.name"
+    )
+    assert heard == []

@@ -5,11 +5,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import threading
 import time
 
 import pytest
 
-from tasks.workers import WorkerError, WorkerPool, WorkerSpec
+from tasks.workers import PoolClosed, WorkerError, WorkerPool, WorkerSpec
 
 
 def _spec(tmp_path, model_dir: str) -> WorkerSpec:
@@ -313,3 +314,48 @@ def test_a_vllm_worker_left_open_neither_outlives_nor_holds_up_the_interpreters_
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pid}"), f"the worker {pid} outlived its interpreter"
+
+
+def test_a_task_waiting_for_its_worker_when_the_pool_closes_ends_as_pool_closed():
+    """A stop (Ctrl-C, SIGTERM) or another task's failure closes the pool while a rollout task still waits for its
+    worker's answer. The wait used to end in ValueError('Queue ... is closed'), logged by Prefect with its
+    traceback; it is now PoolClosed, which the rollout task turns into a Cancelled state of one line."""
+    from prefect.states import Cancelled
+
+    from tasks.iteration import _unless_closed
+
+    ctx = multiprocessing.get_context("spawn")
+    stuck = ctx.Process(target=time.sleep, args=(120,), daemon=True)  # a worker that never answers
+    stuck.start()
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.procs, pool.work, pool.commands, pool.results = [stuck], ctx.Queue(), [ctx.Queue()], [ctx.Queue()]
+    pool.failed = None
+    ended = []
+
+    def wait():
+        try:
+            pool._next(0, timeout_s=60)
+        except BaseException as e:  # noqa: BLE001 - whatever ended it is what the test checks
+            ended.append(e)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(1.0)  # in its wait
+    pool.close(timeout_s=0.5)
+    waiting.join(30)
+    assert [(type(e), str(e)) for e in ended] == [
+        (PoolClosed, "rollout worker 0 was stopped as the run ended while this task waited for it")
+    ]
+    state = _unless_closed(lambda: pool._next(0, timeout_s=60))  # a task that waits after the close
+    assert isinstance(state, type(Cancelled())) and state.is_cancelled()
+    assert state.message == "rollout worker 0 was stopped as the run ended while this task waited for it"
+    assert _unless_closed(lambda: {"shards": []}) == {"shards": []}  # an answer passes through
+
+
+def test_a_worker_failure_is_not_taken_for_the_pools_close():
+    """Only a closed pool turns a wait's error into PoolClosed: a worker that died on its own is still named."""
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.procs, pool.results, pool.failed = [_DeadWorker()], [_LateResults(("error", "Traceback: boom"))], None
+    with pytest.raises(WorkerError) as e:
+        pool._next(0)
+    assert type(e.value) is WorkerError and str(e.value) == "rollout worker 0 failed:\nTraceback: boom"
