@@ -254,6 +254,10 @@ def cmd_resume(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         _error(console, f"cannot resume {args.run_id!r} from lake {args.lake}: {e}")
         return 2
+    if (finished := _finished_version(lake, args.run_id)) is not None:  # the flow would open the run, start its
+        # workers and reopen its MLflow run only to find nothing to train
+        console.print(f"run {args.run_id} has finished (version {finished}): nothing to resume")
+        return 0
     frozen = _upgraded(frozen)
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
         f.write(frozen)  # JSON is YAML: the frozen config loads through the same validation
@@ -261,6 +265,17 @@ def cmd_resume(args) -> int:
         return _run_flow(console, f.name, [f"lake.uri={args.lake}"], resume=True, source=path)
     finally:
         os.unlink(f.name)
+
+
+def _finished_version(lake, run_id: str) -> int | None:
+    """The last version of a run that has finished (its summary written), else None; a summary that does not read
+    is left to the flow, which rewrites it."""
+    from storage.lake import read_json
+
+    try:
+        return int(read_json(lake, f"{lake.run_dir(run_id)}/summary.json")["promoted_version"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _upgraded(frozen: bytes) -> bytes:

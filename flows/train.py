@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from uuid import UUID
 
 from prefect import flow
 from prefect.exceptions import TerminationSignal
@@ -205,8 +206,8 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
     cfg: Config = load_config(config_path, overrides or [])
     from prefect.runtime import flow_run
 
-    if (flow_run.run_count or 1) > 1:  # Prefect retrying this flow run: continue the run it started
-        resume = True
+    if (flow_run.run_count or 1) > 1:  # Prefect retrying this flow run: continue the run it started, if it got so far
+        resume = _retry_resumes(cfg, flow_run.id)
     t_start = time.perf_counter()
     _lower_api_server_priority(cfg.resources.api_server_nice)
     s = open_session(
@@ -215,7 +216,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             {"event": "bootstrap", "step": step, "steps": cfg.bootstrap.steps, "loss": loss}
         ),
         resume=resume,
-        on_run_id=lambda run_id: progress_hook({"event": "setup", "run_id": run_id}),  # a stop from here names it
+        on_run_id=lambda run_id: _run_named(run_id, flow_run.id),
     )
     status = "FAILED"
     audit: list = []  # the future of the previous iteration's audit task (submitted beside this iteration)
@@ -311,6 +312,36 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
             _log_resume_hint(s, status)
         if held and status != "KILLED":  # asked to stop as the run ended otherwise: stop now (a stop is one already)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _run_named(run_id: str, flow_run_id: str | None) -> None:
+    """The run has its id (its lease held, nothing of it written yet): a stop from here on names it, and the Prefect
+    flow run takes it as its name (in the UI, and for a retry of a run whose id was made up at its start)."""
+    progress_hook({"event": "setup", "run_id": run_id})
+    if flow_run_id is not None:
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(UUID(flow_run_id), name=run_id)
+
+
+def _retry_resumes(cfg: Config, flow_run_id: str | None) -> bool:
+    """Whether a retried flow run continues a run rather than starting one: only where its first try created it.
+    The run is its run.run_id or, where its first try made one up, the name it gave the flow run (`_run_named`),
+    which then becomes the config's run id."""
+    from storage.lake import RUN_ID_RE, Lake
+
+    run_id = cfg.run.run_id
+    if run_id is None and flow_run_id is not None:
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            run_id = client.read_flow_run(UUID(flow_run_id)).name
+    lake = Lake(cfg.lake.uri)
+    if run_id is None or not RUN_ID_RE.fullmatch(run_id) or not lake.fs.exists(f"{lake.run_dir(run_id)}/config.json"):
+        return False  # it failed before the run was written (a name Prefect made up is no run of the lake)
+    cfg.run.run_id = run_id
+    return True
 
 
 def _log_resume_hint(s: RunSession, status: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -61,7 +63,13 @@ def test_checkpoint_write_error_keeps_the_promoted_version(tmp_path, monkeypatch
 
 
 def test_prefect_retry_of_the_flow_resumes_the_run(tmp_path, monkeypatch):
-    """A flow run that Prefect retries continues the run it started instead of refusing the existing run."""
+    """A flow run that Prefect retries continues the run it started instead of refusing the existing run, or, as
+    here, starting another: its run id was made up at its start (no run.run_id), and the flow run took it as its
+    name, where the retry finds it."""
+    import yaml
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
     import tasks.iteration
 
     real = tasks.iteration.micro_batches
@@ -75,14 +83,23 @@ def test_prefect_retry_of_the_flow_resumes_the_run(tmp_path, monkeypatch):
         return real(groups, budget, shared)
 
     monkeypatch.setattr(tasks.iteration, "micro_batches", flaky)
-    summary = train_flow.with_options(retries=1)(config_path=write_config(tmp_path, "retry", {"run.iterations": 3}))
+    path = write_config(tmp_path, "retry", {"run.iterations": 3, "run.name": "retry"})
+    cfg = yaml.safe_load(open(path))
+    del cfg["run"]["run_id"]
+    open(path, "w").write(yaml.safe_dump(cfg))
+    summary = train_flow.with_options(retries=1)(config_path=path)
     lake = Lake(str(tmp_path / "lake"))
+    [run_id] = [p.rsplit("/", 1)[-1] for p in lake.fs.ls(f"{lake.root}/runs")]  # one run, not a second one
+    assert re.fullmatch(r"retry-\d{8}-\d{6}", run_id) and summary["run_id"] == run_id
+    with get_client(sync_client=True) as prefect:
+        [flow_run] = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_id])))
+    assert flow_run.run_count == 2 and flow_run.state.is_completed()
     assert state["failed"] and summary["promoted_version"] == 3
-    assert [r["state"] for r in ledger.read_all(lake, "retry")] == ["promoted"] * 3
-    history = [h["state"] for h in ledger.read_record(lake, "retry", 1)["history"]]
+    assert [r["state"] for r in ledger.read_all(lake, run_id)] == ["promoted"] * 3
+    history = [h["state"] for h in ledger.read_record(lake, run_id, 1)["history"]]
     assert history[:3] == ["planned", "rolling_out", "failed"] and history[-1] == "promoted"
     assert summary["iterations"] == 3 and len(summary["history"]) == 2  # the retry trained iterations 1 and 2
-    client, run = mlflow_run(tmp_path, "retry")
+    client, run = mlflow_run(tmp_path, run_id)
     evals = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/accuracy")]
     # v1 evaluated after iteration 0, and again where the retry starts: at its version's step, not at step 0
     assert [step for step, _ in evals] == [0, 1, 1, 2, 3]

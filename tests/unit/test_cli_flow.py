@@ -274,6 +274,18 @@ def test_a_run_no_cli_drives_logs_how_to_resume_it(tmp_path, monkeypatch, caplog
     assert [r for r in caplog.records if r.name == "lockstep"] == []
 
 
+def test_a_retried_flow_run_resumes_only_a_run_its_first_try_created(tmp_path):
+    """Prefect retrying a flow run whose first try failed before the run was written (an unreadable dataset, an
+    unreachable store) starts it afresh: resuming it would fail with "no run ... to resume"."""
+    cfg = load_config(None, [f"lake.uri={tmp_path / 'lake'}", "run.run_id=r1"])
+    assert train_mod._retry_resumes(cfg, None) is False and cfg.run.run_id == "r1"
+    (tmp_path / "lake" / "runs" / "r1").mkdir(parents=True)
+    (tmp_path / "lake" / "runs" / "r1" / "config.json").write_text("{}")
+    assert train_mod._retry_resumes(cfg, None) is True and cfg.run.run_id == "r1"
+    cfg = load_config(None, [f"lake.uri={tmp_path / 'lake'}"])  # a made-up id, and no flow run to read it from
+    assert train_mod._retry_resumes(cfg, None) is False and cfg.run.run_id is None
+
+
 def test_a_lost_lease_stops_the_run_before_the_next_iteration(tmp_path, monkeypatch):
     from storage.lease import RunInUseError
 
@@ -419,6 +431,17 @@ def _flow_returning(monkeypatch, summary=None, before=None, error=None):
         return summary
 
     monkeypatch.setattr(train_mod, "train_flow", flow)
+
+
+def test_resume_of_a_finished_run_says_so_without_starting_the_flow(lake_with_run, capsys, monkeypatch):  # noqa: F811
+    """It reopened the run, started its workers and its MLflow run (moving that run's end time) to train nothing."""
+    _flow_returning(monkeypatch, error=AssertionError("the flow must not start"))
+    (lake_with_run / "runs" / "r1" / "summary.json").write_text(json.dumps({"run_id": "r1", "promoted_version": 7}))
+    assert cli.main(["resume", "r1", "--lake", str(lake_with_run)]) == 0
+    assert squash(cli_stderr(capsys)) == squash("run r1 has finished (version 7): nothing to resume")
+    (lake_with_run / "runs" / "r1" / "summary.json").write_text("{")  # damaged: left to the flow, which rewrites it
+    _flow_returning(monkeypatch, summary={**SUMMARY, "run_id": "r1", "summary_path": "s.json"})
+    assert cli.main(["resume", "r1", "--lake", str(lake_with_run)]) == 0
 
 
 SUMMARY = {
