@@ -15,7 +15,6 @@ import os
 import signal
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from uuid import UUID
@@ -39,6 +38,7 @@ from tasks.iteration import (
     train_task,
 )
 from tasks.session import RunSession, open_session, unregister
+from tasks.workers import signal_handled
 
 
 def _batch_task_run_records() -> None:
@@ -74,17 +74,12 @@ def _sigterm_held():
     A supervisor stopping a served run (systemd, `timeout`, a job scheduler: SIGTERM to the whole process group)
     signals the flow's process twice: the group's SIGTERM, then, milliseconds later, the Prefect runner's own as it
     shuts down. The second raised inside the first one's cleanup and cut it short, leaving the MLflow run RUNNING
-    (3 of 3 tries). Only the main thread runs Python's signal handlers, so elsewhere this does nothing; a held signal
-    is for the caller to pass on (`os.kill`) or drop. The runner still kills the process 30 s after its SIGTERM."""
-    if threading.current_thread() is not threading.main_thread():
-        yield []
-        return
+    (3 of 3 tries). Only the main thread runs Python's signal handlers, so elsewhere this holds nothing; a held
+    signal is for the caller to pass on (`os.kill`) or drop. The runner still kills the process 30 s after its
+    SIGTERM."""
     held: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
-    try:
+    with signal_handled(signal.SIGTERM, lambda signum, frame: held.append(signum)):
         yield held
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _iteration(s: RunSession, k: int) -> dict:

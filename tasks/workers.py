@@ -189,18 +189,24 @@ def _exit_with_parent(parent: int, period_s: float = 0.2, sigterm_from_parent_on
 
 
 @contextlib.contextmanager
-def sigint_ignored():
-    """SIGINT ignored while processes are started (from the main thread only, where handlers can be set): a child
-    started meanwhile inherits it through exec, so a terminal's Ctrl-C, which reaches the whole process group, never
-    interrupts a child's start-up; the parent handles it and stops its children."""
+def signal_handled(signum: int, handler):
+    """`handler` for `signum` inside the block, the previous one restored after; from the main thread only, where
+    Python sets and runs handlers (elsewhere the block runs as it is)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.signal(signum, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signum, previous)
+
+
+def sigint_ignored():
+    """SIGINT ignored while processes are started: a child started meanwhile inherits it through exec, so a
+    terminal's Ctrl-C, which reaches the whole process group, never interrupts a child's start-up; the parent
+    handles it and stops its children."""
+    return signal_handled(signal.SIGINT, signal.SIG_IGN)
 
 
 def _generation_config(model_dir: str):

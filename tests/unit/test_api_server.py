@@ -4,6 +4,7 @@ replaced only where Prefect would start a server."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -77,60 +78,48 @@ def _line(proc, timeout_s: float) -> str:
     return proc.stdout.readline().strip()
 
 
-def test_watch_parent_stops_on_the_parents_sigterm_only():
+@contextlib.contextmanager
+def _python(source: str, *args: str):
+    """`python -c source args` with this repository on its path and its stdout a text pipe; killed at the end if it
+    is still running."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(os.getpid())], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen([sys.executable, "-c", source, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_watch_parent_stops_on_the_parents_sigterm_only():
+    with _python(CHILD, str(os.getpid())) as proc:
         assert _line(proc, 30) == "ready"
         subprocess.run(["kill", "-TERM", str(proc.pid)], check=True)  # not from its parent
         time.sleep(0.5)
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         assert _line(proc, 10) == "stopped" and proc.wait(timeout=10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_watch_parent_can_leave_sigterm_alone():
     """`sigterm_from_parent_only=False` (a vLLM worker): SIGTERM is not blocked, and anyone's ends the process."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(os.getpid()), "any-sigterm"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _python(CHILD, str(os.getpid()), "any-sigterm") as proc:
         assert _line(proc, 30) == "ready"
         subprocess.run(["kill", "-TERM", str(proc.pid)], check=True)  # not from its parent
         assert proc.wait(timeout=10) == -signal.SIGTERM
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_watch_parent_stops_when_the_parent_dies():
     """The parent exits without a word (a SIGKILLed command): its child stops within a few periods."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     parent = (
         "import os, subprocess, sys, time; "
         "subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid())]); time.sleep(1.5)"
     )
-    proc = subprocess.Popen([sys.executable, "-c", parent, CHILD], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
-    try:
+    with _python(parent, CHILD) as proc:
         assert _line(proc, 30) == "ready"
         assert proc.wait(timeout=30) == 0  # the parent is gone; its child still holds the pipe
         assert _line(proc, 10) == "stopped"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_install_replaces_the_server_command_only_where_prefect_would_start_a_server(monkeypatch):
