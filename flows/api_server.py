@@ -14,26 +14,65 @@ and SIGKILL or the terminal's SIGHUP to the group still end it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 
 APP = "prefect.server.api.server:create_app"
 
 
-def install() -> None:
+def install() -> bool:
     """Have the temporary API server Prefect starts on first use (no `PREFECT_API_URL`) run `main` below: Prefect's
     own `SubprocessASGIServer` (its port search, start-up wait and stop at exit), its process command replaced.
     Nothing is started here; with a server configured, nothing is changed (and Prefect's server module, ~3 s of
-    imports, is not loaded)."""
+    imports, is not loaded). Returns whether the command will start a temporary server."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return
+        return False
     from prefect.server.api.server import SubprocessASGIServer
 
     SubprocessASGIServer._run_uvicorn_command = _server_process
+    return True
+
+
+def start_in_background() -> Callable[[], None]:
+    """`install`, then start the temporary server in a thread, so that its start-up (~4 s: a process that imports
+    Prefect's server and sets up its database, waited for by polling) overlaps the command's own imports. Returns
+    `wait`, which the command calls before its first flow: it returns once the server answers and raises what its
+    start raised. Prefect's client then finds the server running (one instance per process). With a server
+    configured, nothing is started and `wait` returns at once."""
+    if not install():
+        return lambda: None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            server.start()
+        except BaseException as e:  # handed to the main thread by `wait`
+            failed.append(e)
+
+    # in a copy of this thread's context, where Prefect keeps its settings (a thread starts with an empty one);
+    # daemonic: a command that fails before `wait` exits without waiting for the start-up (the server, if it got
+    # so far, is stopped by Prefect's atexit or, failing that, by `watch_parent` when the command is gone)
+    thread = threading.Thread(
+        target=contextvars.copy_context().run, args=(start,), name="lockstep-api-server-start", daemon=True
+    )
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return wait
 
 
 def _server_process(server) -> subprocess.Popen:

@@ -191,22 +191,28 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     if not resume:  # a resumed run's frozen config sets every field: only a new run's file and -o are the user's
         for note in inert_settings(cfg):
             _warning(console, note)
+    run = f"run {cfg.run.run_id}" if cfg.run.run_id else f"a run of {cfg.run.name}"
+    console.print(f"{'resuming' if resume else 'starting'} {run} in lake {cfg.lake.uri}")
+    from flows import api_server
+
+    # a Ctrl-C must leave the temporary Prefect API server up for the flow to record its end (`install`); its start
+    # overlaps the imports below
+    server_started = api_server.start_in_background()
     from prefect.exceptions import TerminationSignal
 
     import flows.train as train_mod
-    from flows import api_server
     from models.tiny import ModelDirError
     from storage.checkpoints import CheckpointError
     from storage.datasets import DatasetError
     from storage.lease import RunInUseError
     from tasks.session import RunExistsError
 
-    api_server.install()  # a Ctrl-C must leave the temporary Prefect API server up for the flow to record its end
     progress = _Progress(console)
     train_mod.progress_hook = progress
     t0 = time.perf_counter()
     input_errors = (RunExistsError, RunInUseError, ConfigError, DatasetError, ModelDirError)
     try:
+        server_started()
         with _reported_by_cli(*input_errors):
             summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
     except (*input_errors, FileNotFoundError, CheckpointError) as e:  # input errors the flow finds only as it reads
@@ -364,12 +370,13 @@ def cmd_replay(args) -> int:
         if args.to is not None:
             validate_run_id(args.to)
         from flows import api_server
+
+        check_prefect_api()
+        server_started = api_server.start_in_background()  # its start overlaps the imports below
         from flows.replay import check_replayable, replay_flow
 
         check_replayable(lake, args.run_id, args.to)
-        check_prefect_api()
-        api_server.install()
-
+        server_started()
         # --to names an existing run, or one another process writes; other errors keep their traceback
         with _reported_by_cli(FileExistsError, RunInUseError):
             rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from flows import api_server
 from tests.ports import free_port
@@ -154,3 +155,76 @@ def test_uvicorn_still_installs_its_signal_handlers_through_capture_signals():
     import uvicorn.server
 
     assert "self.capture_signals()" in inspect.getsource(uvicorn.server.Server.serve)
+
+
+def _children_running(module: str) -> list[str]:
+    """The pids of this process's children whose command line names `module`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if ppid == os.getpid() and module.encode() in cmd:
+            found.append(pid)
+    return found
+
+
+def test_a_server_started_in_the_background_is_the_one_prefects_client_uses(monkeypatch):
+    """`start_in_background`'s `wait` returns with the server answering, and Prefect's client then talks to it rather
+    than starting a second one: one server process, a child of the command, running this module."""
+    from prefect import get_client
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.setattr(SubprocessASGIServer, "_instances", {})  # this test's own server, stopped after it
+    monkeypatch.setattr(SubprocessASGIServer, "_run_uvicorn_command", SubprocessASGIServer._run_uvicorn_command)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    before = set(_children_running("flows.api_server"))
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        api_server.start_in_background()()
+        server = SubprocessASGIServer()
+        try:
+            assert server.running and _healthy(server.port)
+            with get_client(sync_client=True) as client:
+                assert client.api_healthcheck() is None  # None: it answered
+                assert str(client.api_url).rstrip("/") == server.api_url
+            assert len(set(_children_running("flows.api_server")) - before) == 1
+        finally:
+            process = server.server_process  # (`stop` forgets it)
+            server.stop()
+            process.wait(timeout=30)
+
+
+def test_a_background_start_that_fails_is_raised_by_wait_and_a_configured_server_starts_nothing(monkeypatch):
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        temporary_settings,
+    )
+
+    monkeypatch.setattr(SubprocessASGIServer, "_instances", {})  # this test's own instance, dropped after it
+    monkeypatch.setattr(SubprocessASGIServer, "_run_uvicorn_command", SubprocessASGIServer._run_uvicorn_command)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        api_server.start_in_background()()
+    assert SubprocessASGIServer._instances == {}  # nothing started, nothing waited for
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    # a server process that exits at once (code 1: not the port-taken code 3, which Prefect retries on another port)
+    monkeypatch.setattr(
+        api_server, "_server_process", lambda server: subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    )
+    with temporary_settings(
+        restore_defaults={PREFECT_API_URL}, updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 2}
+    ):
+        t0 = time.monotonic()
+        wait = api_server.start_in_background()
+        with pytest.raises(RuntimeError, match="Timed out while attempting to connect"):
+            wait()
+    # the start-up ran with this context's settings (2 s), not the environment's (`make test`: 90 s)
+    assert time.monotonic() - t0 < 45
+    assert not SubprocessASGIServer().running

@@ -69,7 +69,9 @@ def bench(module: str, *args: str, env: dict, timeout: float = 60) -> subprocess
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage"])
+@pytest.mark.parametrize(
+    "module", ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage", "startup"]
+)
 def test_help_prints_usage_and_runs_nothing(module, env):
     t0 = time.perf_counter()
     r = bench(module, "--help", env=env)
@@ -80,7 +82,9 @@ def test_help_prints_usage_and_runs_nothing(module, env):
     assert not _marked(env[MARKER]) and not os.listdir(env["TMPDIR"])  # no training run, no work directory
 
 
-@pytest.mark.parametrize("module", ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage"])
+@pytest.mark.parametrize(
+    "module", ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage", "startup"]
+)
 def test_unknown_flag_exits_2(module, env):
     r = bench(module, "--iterationz", "3", env=env)
     assert r.returncode == 2
@@ -113,6 +117,8 @@ def test_unknown_flag_exits_2(module, env):
         ("zero_advantage", ["--iterations", "4", "--warmup", "4"], "--warmup 4: must be in [0, 3]"),
         ("zero_advantage", ["--partial-credit", "1"], "--partial-credit 1.0: must be in [0, 1)"),
         ("zero_advantage", ["--partial-credit", "0", "0.0"], "--partial-credit 0.0 0.0: give each value once"),
+        ("startup", ["--repeats", "0"], "--repeats 0: must be in [1, 100]"),
+        ("startup", ["--against", "/"], "--against /: not a checkout of lockstep (no flows/cli.py there)"),
     ],
 )
 def test_bad_number_exits_2_naming_the_flag(module, args, message, env, tmp_path):

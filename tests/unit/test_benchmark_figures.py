@@ -12,6 +12,7 @@ from benchmarks.common import abba
 from benchmarks.pipeline import comparison, summarise
 from benchmarks.resume import resume_figures
 from benchmarks.shared_prompt import point_figures, targets
+from benchmarks.startup import startup_figures
 
 
 def test_abba_alternates_which_configuration_goes_first():
@@ -236,3 +237,17 @@ def test_flattened_reaches_the_share_with_evenly_spread_groups():
     assert [g.rewards for shard in out for g in shard if g.prompt_ids[0] == 2] == [[0.0, 0.0, 0.0]]
     assert groups[2].rewards == [0.0, 0.5, 2.0]  # the recorded groups are not modified
     assert flattened(batch, 0.05) == batch
+
+
+def test_startup_figures_are_medians_per_checkout_and_ratios_of_the_medians():
+    def run(first, ready, end):
+        return {"first_line_s": first, "ready_s": ready, "end_s": end}
+
+    this = [run(2, 10, 20), run(3, 12, 30), run(100, 11, 21)]
+    old = [run(4, 16, 25), run(5, 15, 26), run(6, 14, 24)]
+    lines = startup_figures({"this": this, "/old": old})
+    assert lines[0] == {"tree": "this", **run(3, 11, 21)}  # medians (means would give 35, 11, 23.7)
+    assert lines[1] == {"tree": "/old", **run(5, 15, 25)}
+    # ratios of the medians: the medians of the runs' pairwise ratios would give 1.67, 1.27, 1.14
+    assert lines[2] == {"ratio": "/old / this", **run(5 / 3, 15 / 11, 25 / 21)}
+    assert startup_figures({"this": this}) == [lines[0]]  # one checkout: no ratio

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from configs.schema import ConfigError, load_config, resolved_json
-from flows import cli
+from flows import api_server, cli
 from storage import checkpoints
 from storage.checkpoints import CheckpointError
 from storage.datasets import DatasetError
@@ -26,6 +26,22 @@ from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ARITH = str(REPO / "configs" / "arith-tiny.yaml")
+
+
+def replace_flow(monkeypatch, flow, name: str = "train_flow") -> None:
+    """The CLI's `train_flow` (flows.train) or `replay_flow` (flows.replay) replaced by `flow`; so is the start of the
+    temporary Prefect API server (a unit test starts none), and `flow` is called only after that start-up was waited
+    for (asserted)."""
+    import importlib
+
+    waited = []
+    monkeypatch.setattr(api_server, "start_in_background", lambda: lambda: waited.append(True))
+
+    def checked(**kwargs):
+        assert waited, "the flow was called before the temporary API server's start-up was waited for"
+        return flow(**kwargs)
+
+    monkeypatch.setattr(importlib.import_module(f"flows.{name.removesuffix('_flow')}"), name, checked)
 
 
 @pytest.fixture
@@ -39,12 +55,10 @@ def lake_with_run(tmp_path) -> Path:
 
 @pytest.fixture
 def no_replay(monkeypatch):
-    import flows.replay
-
     def fail(**kwargs):
         raise AssertionError("the replay flow must not start")
 
-    monkeypatch.setattr(flows.replay, "replay_flow", fail)
+    replace_flow(monkeypatch, fail, "replay_flow")
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -67,12 +81,10 @@ def test_replay_with_an_invalid_run_id(lake_with_run, capsys, no_replay, argv):
 
 
 def test_replay_flow_errors_exit_2(lake_with_run, capsys, monkeypatch):
-    import flows.replay
-
     def exists(run_id, lake_uri, to_run_id):
         raise FileExistsError(f"run {to_run_id} already exists in {lake_uri}: choose another --to")
 
-    monkeypatch.setattr(flows.replay, "replay_flow", exists)
+    replace_flow(monkeypatch, exists, "replay_flow")
     (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000").mkdir(parents=True)
     (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000" / "MANIFEST.json").write_text("{}")
     (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
@@ -465,12 +477,10 @@ def test_serve_with_an_unreachable_prefect_api(tmp_path):
     ids=["dataset", "config", "checkpoint", "missing-file"],
 )
 def test_train_input_error_inside_the_flow_exits_2(monkeypatch, capsys, tmp_path, error):
-    import flows.train
-
     def flow(**kwargs):
         raise error
 
-    monkeypatch.setattr(flows.train, "train_flow", flow)
+    replace_flow(monkeypatch, flow)
     assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}"]) == 2
     assert squash(f"error: {error}") in cli_stderr(capsys)
 
@@ -519,12 +529,10 @@ def test_ctrl_c_in_a_command_is_one_line_not_a_traceback(monkeypatch, capsys, la
 
 
 def test_ctrl_c_in_replay_says_what_its_target_keeps(monkeypatch, capsys, lake_with_run):
-    import flows.replay
-
     def interrupted(**kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(flows.replay, "replay_flow", interrupted)
+    replace_flow(monkeypatch, interrupted, "replay_flow")
     (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000").mkdir(parents=True)
     (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000" / "MANIFEST.json").write_text("{}")
     (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
@@ -588,8 +596,6 @@ def test_resume_of_an_invalid_run_id_is_one_error_line(lake_with_run, capsys):
 
 def _resumed_config(lake: Path, monkeypatch):
     """The config `lockstep resume r1 --lake LAKE` hands the train flow (the flow replaced by a recorder)."""
-    import flows.train
-
     seen = {}
 
     def flow(config_path, overrides, resume):
@@ -603,19 +609,20 @@ def _resumed_config(lake: Path, monkeypatch):
             "summary_path": "s",
         }
 
-    monkeypatch.setattr(flows.train, "train_flow", flow)
+    replace_flow(monkeypatch, flow)
     assert cli.main(["resume", "r1", "--lake", str(lake)]) == 0
     assert seen["resume"]
     return seen["cfg"]
 
 
-def test_resume_runs_from_the_lake_it_is_given_whatever_its_model_path_now_is(lake_with_run, monkeypatch):
+def test_resume_runs_from_the_lake_it_is_given_whatever_its_model_path_now_is(lake_with_run, monkeypatch, capsys):
     """A lake moved (or copied) since the run started: the frozen config names the old place, `--lake` the new one,
     and resume must use the new one. Its v0 is in the lake, so a `model.path` removed since does not stop it."""
     frozen = load_config(None, ["run.run_id=r1", "lake.uri=/old/place", "model.path=/removed/model"])
     (lake_with_run / "runs" / "r1" / "config.json").write_text(resolved_json(frozen))
     cfg = _resumed_config(lake_with_run, monkeypatch)
     assert cfg.lake.uri == str(lake_with_run) and cfg.run.run_id == "r1"
+    assert capsys.readouterr().err.startswith(f"resuming run r1 in lake {lake_with_run}\n")
 
 
 @pytest.mark.parametrize("frozen_value", [None, True, False], ids=["older-than-the-field", "true", "false"])

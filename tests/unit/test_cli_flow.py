@@ -23,7 +23,13 @@ from flows import cli
 from storage import ledger
 from storage.lake import Lake
 from tests.cli_output import cli_stderr, squash
-from tests.unit.test_cli_commands import ARITH, REPO, _resumed_config, lake_with_run  # noqa: F401 (fixture)
+from tests.unit.test_cli_commands import (  # noqa: F401 (fixture)
+    ARITH,
+    REPO,
+    _resumed_config,
+    lake_with_run,
+    replace_flow,
+)
 
 # ------------------------------------------------------------------------------------------------ the train flow
 
@@ -430,7 +436,7 @@ def _flow_returning(monkeypatch, summary=None, before=None, error=None):
             raise error
         return summary
 
-    monkeypatch.setattr(train_mod, "train_flow", flow)
+    replace_flow(monkeypatch, flow)
 
 
 def test_resume_of_a_finished_run_says_so_without_starting_the_flow(lake_with_run, capsys, monkeypatch):  # noqa: F811
@@ -459,7 +465,11 @@ def test_train_reports_the_summary_and_prints_the_run_and_its_summary_path(monke
     assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}"]) == 0
     out = capsys.readouterr()
     assert out.out == "r1 /lake/runs/r1/summary.json\n"  # stdout: what a script reads
+    # the first line, before Prefect's API server and the imports: something on the screen at once
+    assert out.err.startswith(f"starting a run of arith-tiny in lake {tmp_path / 'lake'}\n")
     assert "held-out accuracy 0.250 -> 0.625, 12.3 samples/s, version 7" in out.err
+    assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}", "-o", "run.run_id=r2"]) == 0
+    assert capsys.readouterr().err.startswith(f"starting run r2 in lake {tmp_path / 'lake'}\n")
 
 
 def test_train_warns_of_a_setting_its_run_will_not_read_and_still_runs(monkeypatch, capsys, tmp_path):
@@ -510,7 +520,9 @@ def test_a_train_stopped_before_its_run_started(monkeypatch, capsys, tmp_path, r
     to resume, whether or not its id is known."""
     _flow_returning(monkeypatch, before=[{"event": "setup", "run_id": run_id}], error=KeyboardInterrupt())
     assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}"]) == 130
-    assert cli_stderr(capsys) == squash("interrupted before the run started")
+    assert cli_stderr(capsys) == squash(
+        f"starting a run of arith-tiny in lake {tmp_path / 'lake'}\ninterrupted before the run started"
+    )
 
 
 def test_a_train_stopped_in_its_bootstrap_names_the_run_it_made_up(monkeypatch, capsys, tmp_path):
@@ -629,10 +641,8 @@ def replayable(lake_with_run):  # noqa: F811
 
 
 def test_replay_prints_each_version_and_the_worst(replayable, capsys, monkeypatch):
-    import flows.replay
-
     rows = [{"version": 1, "max_abs_diff": 0.25}, {"version": 2, "max_abs_diff": 1e-7}]
-    monkeypatch.setattr(flows.replay, "replay_flow", lambda run_id, lake_uri, to_run_id: rows)
+    replace_flow(monkeypatch, lambda run_id, lake_uri, to_run_id: rows, "replay_flow")
     assert cli.main(["replay", "r1", "--lake", str(replayable)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "v     1  max_abs_diff 2.500e-01",
@@ -642,12 +652,10 @@ def test_replay_prints_each_version_and_the_worst(replayable, capsys, monkeypatc
 
 
 def test_ctrl_c_in_a_replay_without_a_target(replayable, capsys, monkeypatch):
-    import flows.replay
-
     def interrupted(**kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(flows.replay, "replay_flow", interrupted)
+    replace_flow(monkeypatch, interrupted, "replay_flow")
     assert cli.main(["replay", "r1", "--lake", str(replayable)]) == 130
     assert cli_stderr(capsys) == squash("interrupted: replay of r1 stopped")
 

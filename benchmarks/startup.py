@@ -1,0 +1,120 @@
+"""Start-up of `lockstep train`: wall seconds from launching the command to its first output line, to the run being
+ready (its line `run R: initial held-out accuracy ...`: Prefect's API server up, the flow run created, the MLflow
+run open, v0 loaded and evaluated, the rollout workers starting) and to its end.
+
+Runs the demo config (`configs/arith-tiny.yaml`) for `--iterations` iterations in a temporary lake whose bootstrap
+is built once by a first run that is not measured, so every measured run starts as a second run of the demo does.
+With `--against DIR` (another checkout of lockstep, e.g. `git worktree add DIR COMMIT` with its `.venv` linked) the
+same runs are made from both checkouts in ABBA order, side by side in one lake.
+
+Prints one JSON line per checkout (`tree`: this one or DIR) with the medians over `--repeats` runs of `first_line_s`,
+`ready_s` and `end_s`, then, with `--against`, one JSON line of the ratios DIR / this.
+
+    .venv/bin/python -m benchmarks.startup [--repeats 5] [--iterations 3] [--against DIR]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks.common import abba, check_range, emit, parser
+
+REPO = Path(__file__).resolve().parents[1]
+FIGURES = ("first_line_s", "ready_s", "end_s")
+
+
+def timed_train(tree: Path, config: str, run_id: str) -> dict:
+    """Run `lockstep train config -o run.run_id=run_id` from checkout `tree` in its own process group; the seconds from
+    its launch to its first line, to its `run R: initial held-out accuracy` line and to its exit."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("PREFECT_API_URL", None)  # each command starts its own temporary server, as a user's does
+    t0 = time.perf_counter()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", config, "-o", f"run.run_id={run_id}"],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    first = ready = None
+    tail: list[str] = []
+    try:
+        for line in p.stderr:
+            now = time.perf_counter() - t0
+            first = now if first is None else first
+            if ready is None and line.startswith(f"run {run_id}: "):
+                ready = now
+            tail = [*tail[-20:], line]
+        code = p.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what the command left in its group, or all of it if we stop
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    end = time.perf_counter() - t0
+    if code != 0 or ready is None:
+        raise RuntimeError(f"`lockstep train` from {tree} exited with {code}:\n{''.join(tail)}")
+    return {"first_line_s": first, "ready_s": ready, "end_s": end}
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks: the child's group and the temp dir go too
+
+
+def main() -> None:
+    ap = parser("benchmarks.startup", __doc__)
+    ap.add_argument("--repeats", type=int, default=5, help="measured runs per checkout")
+    ap.add_argument("--iterations", type=int, default=3, help="iterations of each run")
+    ap.add_argument("--against", help="another checkout of lockstep to run the same way, side by side")
+    args = ap.parse_args()
+    check_range(ap, "--repeats", args.repeats, 1, 100)
+    check_range(ap, "--iterations", args.iterations, 1, 1000)
+    trees = {"this": REPO}
+    if args.against is not None:
+        other = Path(args.against).resolve()
+        if not (other / "flows" / "cli.py").is_file():
+            ap.error(f"--against {args.against}: not a checkout of lockstep (no flows/cli.py there)")
+        trees[str(other)] = other
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = yaml.safe_load((REPO / "configs" / "arith-tiny.yaml").read_text())
+        cfg["run"]["iterations"] = args.iterations
+        cfg["lake"]["uri"] = f"{tmp}/lake"
+        cfg["tracking"] = {"uri": f"sqlite:///{tmp}/mlflow.db"}
+        config = Path(tmp, "c.yaml")
+        config.write_text(yaml.safe_dump(cfg))
+        for k, tree in enumerate(trees.values()):  # builds the lake's bootstrap (each checkout's, if they differ)
+            timed_train(tree, str(config), f"warmup-{k}")
+        order = abba(*trees, args.repeats) if len(trees) == 2 else ["this"] * args.repeats
+        runs: dict[str, list[dict]] = {name: [] for name in trees}
+        for i, name in enumerate(order):
+            runs[name].append(timed_train(trees[name], str(config), f"startup-{i}"))
+            print(f"{i + 1}/{len(order)} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    for line in startup_figures(runs):
+        emit(benchmark="startup", repeats=args.repeats, iterations=args.iterations, **line)
+
+
+def startup_figures(runs: dict[str, list[dict]]) -> list[dict]:
+    """Per checkout (`tree`), the median of each figure over its runs; with two checkouts, then the ratios of the
+    medians, the other one's over this one's (a ratio above 1: this checkout starts faster)."""
+    medians = {name: {f: statistics.median(r[f] for r in rs) for f in FIGURES} for name, rs in runs.items()}
+    lines = [{"tree": name, **m} for name, m in medians.items()]
+    if len(runs) == 2:
+        other = next(n for n in runs if n != "this")
+        lines.append({"ratio": f"{other} / this", **{f: medians[other][f] / medians["this"][f] for f in FIGURES}})
+    return lines
+
+
+if __name__ == "__main__":
+    main()
