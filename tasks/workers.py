@@ -487,6 +487,19 @@ class PoolClosed(WorkerError):
     WORDS = "was stopped as the run ended while this task waited for it"
 
 
+class _ClosedQueue:
+    """What a closed pool holds instead of its queues: each use raises as a closed queue's does (ValueError), so a
+    task still waiting for a worker ends as `PoolClosed`."""
+
+    def put(self, *args, **kwargs):
+        raise ValueError("the rollout worker pool is closed")
+
+    get = put
+
+
+_CLOSED = _ClosedQueue()
+
+
 def _terminate(procs: list) -> None:
     for p in procs:
         if p.is_alive():
@@ -625,7 +638,13 @@ class WorkerPool:
         return self.failed is None and all(p.is_alive() for p in self.procs)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Tell every worker to exit; one still alive `timeout_s` later is killed, and reaped."""
+        """Tell every worker to exit; one still alive `timeout_s` later is killed, and reaped. The queues are then
+        closed and let go: each one's three named semaphores are removed as it goes (at once, or once its feeder
+        thread has flushed), not at this process's exit, which a process that ends by a signal never reaches (a
+        served run's, which Prefect ends by its own SIGTERM: Python's resource tracker then warned of 9 'leaked
+        semaphore objects'). A second call does nothing."""
+        if self.closed:
+            return
         self.closed = True
         for q in self.commands:
             q.put(("exit",))
@@ -634,6 +653,8 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)  # reaped: closed means no worker is left running
-        for q in [self.work, *self.commands, *self.results]:
+        queues = [self.work, *self.commands, *self.results]
+        self.work, self.commands, self.results = _CLOSED, [_CLOSED] * len(self.commands), [_CLOSED] * len(self.results)
+        for q in queues:
             q.close()
             q.cancel_join_thread()

@@ -316,6 +316,17 @@ def test_a_vllm_worker_left_open_neither_outlives_nor_holds_up_the_interpreters_
     assert not os.path.exists(f"/proc/{pid}"), f"the worker {pid} outlived its interpreter"
 
 
+def stuck_pool() -> WorkerPool:
+    """A pool (made without `__init__`) of one spawned worker that never answers, with the real queues."""
+    ctx = multiprocessing.get_context("spawn")
+    stuck = ctx.Process(target=time.sleep, args=(120,), daemon=True)
+    stuck.start()
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.procs, pool.work, pool.commands, pool.results = [stuck], ctx.Queue(), [ctx.Queue()], [ctx.Queue()]
+    pool.failed = None
+    return pool
+
+
 def test_a_task_waiting_for_its_worker_when_the_pool_closes_ends_as_pool_closed():
     """A stop (Ctrl-C, SIGTERM) or another task's failure closes the pool while a rollout task still waits for its
     worker's answer. The wait used to end in ValueError('Queue ... is closed'), logged by Prefect with its
@@ -324,12 +335,7 @@ def test_a_task_waiting_for_its_worker_when_the_pool_closes_ends_as_pool_closed(
 
     from tasks.iteration import _unless_closed
 
-    ctx = multiprocessing.get_context("spawn")
-    stuck = ctx.Process(target=time.sleep, args=(120,), daemon=True)  # a worker that never answers
-    stuck.start()
-    pool = WorkerPool.__new__(WorkerPool)
-    pool.procs, pool.work, pool.commands, pool.results = [stuck], ctx.Queue(), [ctx.Queue()], [ctx.Queue()]
-    pool.failed = None
+    pool = stuck_pool()
     ended = []
 
     def wait():
@@ -359,3 +365,41 @@ def test_a_worker_failure_is_not_taken_for_the_pools_close():
     with pytest.raises(WorkerError) as e:
         pool._next(0)
     assert type(e.value) is WorkerError and str(e.value) == "rollout worker 0 failed:\nTraceback: boom"
+
+
+_CLOSE_THEN_DIE = """
+import os, signal, time
+from tests.unit.test_workers import stuck_pool
+pool = stuck_pool()
+pool.work.put(("chunk", 1))  # a chunk nobody took: its queue's feeder thread runs
+semaphores = [
+    lock._semlock.name for q in (pool.work, *pool.commands, *pool.results) for lock in (q._rlock, q._wlock, q._sem)
+]
+pool.close(timeout_s=0.5)
+pool.close()  # a second close does nothing
+time.sleep(1.0)  # a feeder thread's last flush
+print(*(os.path.exists("/dev/shm/sem." + name.lstrip("/")) for name in semaphores), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # as Prefect ends a served flow run's process after a stop
+"""
+
+
+def test_a_closed_pool_leaves_no_semaphore_for_a_death_by_signal_to_leak():
+    """A served run's process ends by Prefect's re-raised SIGTERM after the stop's cleanup, never reaching the exit
+    handlers that remove a queue's named semaphores: Python's resource tracker then removed them and warned of 9
+    'leaked semaphore objects'. `close` lets its queues go, so their semaphores are removed before."""
+    import signal
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _CLOSE_THEN_DIE],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": repo},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == -signal.SIGTERM, out.stderr[-3000:]
+    assert out.stdout.split() == ["False"] * 9, out.stdout  # three queues, three semaphores each: all gone
+    assert "leaked semaphore" not in out.stderr, out.stderr[-3000:]
