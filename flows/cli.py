@@ -74,21 +74,9 @@ class _Progress:
     """
 
     def __init__(self, console):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         self.console = console
         self.live = console.is_terminal
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(bar_width=24),
-            MofNCompleteColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"),
-            console=console,
-            transient=False,
-            disable=not self.live,
-        )
+        self.progress = _progress_bar(console)
         self.boot = self.iters = None
         self.accuracy = float("nan")
         self.total = 0
@@ -148,6 +136,54 @@ class _Progress:
             self.progress.stop()
 
     def stop(self):
+        self.progress.stop()
+
+
+def _progress_bar(console):
+    """A rich progress bar (description, bar, done/total, time left, a line of figures) on a terminal; elsewhere
+    disabled, and the caller prints plain lines."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=24),
+        MofNCompleteColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        transient=False,
+        disable=not console.is_terminal,
+    )
+
+
+class _ReplayProgress:
+    """Replay's display on stderr: the bar on a terminal; elsewhere one line every ~5% of the versions and the last.
+    (The versions' figures go to stdout at the end, as a script reads them.)"""
+
+    def __init__(self, console):
+        self.console = console
+        self.progress = _progress_bar(console)
+        self.bar = None
+        self.done = self.total = 0
+        self.t0 = time.perf_counter()
+
+    def __call__(self, e: dict) -> None:
+        if e["event"] == "start":
+            self.total, self.t0 = e["versions"], time.perf_counter()
+            self.progress.start()
+            self.bar = self.progress.add_task("replay", total=self.total, info="")
+        elif e["event"] == "version":
+            self.done += 1
+            info = f"v{e['version']} max_abs_diff {e['max_abs_diff']:.3e}"
+            self.progress.update(self.bar, completed=self.done, info=info)
+            if not self.console.is_terminal and (self.done % max(1, self.total // 20) == 0 or self.done == self.total):
+                per_version = (time.perf_counter() - self.t0) / self.done
+                self.console.print(
+                    f"replayed {self.done}/{self.total}: {info}, eta {per_version * (self.total - self.done):.0f} s"
+                )
+
+    def stop(self) -> None:
         self.progress.stop()
 
 
@@ -372,14 +408,22 @@ def cmd_replay(args) -> int:
         from flows import api_server
 
         check_prefect_api()
+        console = _console(stderr=True, soft_wrap=True)
+        target = f" into run {args.to}" if args.to else ""
+        console.print(f"replaying run {args.run_id} in lake {args.lake}{target}")
         server_started = api_server.start_in_background()  # its start overlaps the imports below
-        from flows.replay import check_replayable, replay_flow
+        import flows.replay as replay_mod
 
-        check_replayable(lake, args.run_id, args.to)
+        replay_mod.check_replayable(lake, args.run_id, args.to)
         server_started()
+        progress = replay_mod.progress_hook = _ReplayProgress(console)
         # --to names an existing run, or one another process writes; other errors keep their traceback
-        with _reported_by_cli(FileExistsError, RunInUseError):
-            rows = replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
+        try:
+            with _reported_by_cli(FileExistsError, RunInUseError):
+                rows = replay_mod.replay_flow(run_id=args.run_id, lake_uri=args.lake, to_run_id=args.to)
+        finally:
+            progress.stop()
+            replay_mod.progress_hook = replay_mod._no_progress
     except (ValueError, FileNotFoundError, FileExistsError, RunInUseError, CheckpointError) as e:  # a ConfigError
         # is a ValueError; CheckpointError: a damaged PROMOTED
         print(f"error: cannot replay {args.run_id!r}: {e}", file=sys.stderr)

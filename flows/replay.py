@@ -8,6 +8,7 @@ original checkpoint of that version. With `to_run_id`, the replayed checkpoints 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -20,6 +21,15 @@ from storage.shards import read_shard
 from tasks.iteration import BatchSteps, groups_of
 from tasks.preflight import resolve_device
 from tasks.session import build_trainer
+
+
+def _no_progress(event: dict) -> None:
+    pass
+
+
+# what the CLI shows of a replay as it goes (stderr): {"event": "start", "run_id", "versions"} once v0 is loaded, then
+# {"event": "version", "version", "max_abs_diff"} per version replayed
+progress_hook: Callable[[dict], None] = _no_progress
 
 
 def recorded_batch(lake: Lake, record: dict) -> list[list[RolloutGroup]]:
@@ -104,16 +114,18 @@ def _replay_versions(trainer, cfg, lake: Lake, run_id: str, tokenizer, to_run_id
         )
         checkpoints.save_checkpoint(lake, to_run_id, 0, trainer.model, tokenizer, trainer.optimizer)
         checkpoints.promote(lake, to_run_id, 0)
+    records = ledger.read_all(lake, run_id)
+    promoted = next((k for k, r in enumerate(records) if r["state"] != "promoted"), len(records))
+    progress_hook({"event": "start", "run_id": run_id, "versions": promoted})
     out = []
-    for record in ledger.read_all(lake, run_id):
-        if record["state"] != "promoted":
-            break
+    for record in records[:promoted]:
         version = record["promoted_version"]
         _replay_iteration(trainer, cfg, lake, record)
         original = checkpoints.load_weights(lake, lake.checkpoint_dir(run_id, version))
         replayed = trainer.model.state_dict()
         diff = max(float((replayed[k].detach().cpu() - v).abs().max()) for k, v in original.items())
         out.append({"version": version, "max_abs_diff": diff})
+        progress_hook({"event": "version", **out[-1]})
         if to_run_id:
             checkpoints.save_checkpoint(
                 lake, to_run_id, version, trainer.model, tokenizer, trainer.optimizer, {"replayed_from": run_id}

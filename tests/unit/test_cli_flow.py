@@ -606,6 +606,48 @@ def test_progress_lines_of_a_resumed_run_in_a_log(monkeypatch):
     assert lines[2].endswith("eta 5 s")
 
 
+def test_replay_progress_lines_in_a_log(monkeypatch):
+    """Not a terminal: a line every total/20 versions and at the last, with the version's difference and the time
+    left (the mean time per version so far times those still to replay)."""
+    clock = _Clock()
+    monkeypatch.setattr(cli, "time", clock)
+    out = io.StringIO()
+    progress = cli._ReplayProgress(cli._console(file=out, width=300))
+    progress({"event": "start", "run_id": "r1", "versions": 41})
+    for v in range(1, 42):
+        clock.now += 4.0 if v == 1 else 2.0
+        progress({"event": "version", "version": v, "max_abs_diff": 1e-7 if v < 41 else 0.25})
+    progress.stop()
+    lines = out.getvalue().splitlines()
+    assert [ln.split()[1] for ln in lines] == [f"{k}/41:" for k in (2, 4, 6, 8, 10, 12, 14, 16, 18, 20)] + [
+        f"{k}/41:" for k in (22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 41)
+    ]
+    assert lines[0] == "replayed 2/41: v2 max_abs_diff 1.000e-07, eta 117 s"  # 6 s for 2: 3 s each, 39 to go
+    assert lines[-1] == "replayed 41/41: v41 max_abs_diff 2.500e-01, eta 0 s"
+
+
+def test_replay_says_what_it_replays_and_shows_each_version_as_it_lands(replayable, capsys, monkeypatch):
+    import flows.replay
+
+    def replay(run_id, lake_uri, to_run_id):
+        flows.replay.progress_hook({"event": "start", "run_id": run_id, "versions": 2})
+        for row in ROWS:
+            flows.replay.progress_hook({"event": "version", **row})
+        return ROWS
+
+    replace_flow(monkeypatch, replay, "replay_flow")
+    assert cli.main(["replay", "r1", "--lake", str(replayable), "--to", "r9"]) == 0
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert lines[0] == f"replaying run r1 in lake {replayable} into run r9"
+    assert [ln.split(", eta")[0] for ln in lines[1:]] == [
+        "replayed 1/2: v1 max_abs_diff 2.500e-01",
+        "replayed 2/2: v2 max_abs_diff 1.000e-07",
+    ]
+    assert out.out.splitlines()[-1] == "replayed 2 versions of r1; worst max_abs_diff 2.500e-01"  # stdout as before
+    assert flows.replay.progress_hook is flows.replay._no_progress  # the display is not left behind
+
+
 def test_the_first_progress_line_of_a_new_run(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr(cli, "time", clock)
@@ -640,9 +682,11 @@ def replayable(lake_with_run):  # noqa: F811
     return lake_with_run
 
 
+ROWS = [{"version": 1, "max_abs_diff": 0.25}, {"version": 2, "max_abs_diff": 1e-7}]
+
+
 def test_replay_prints_each_version_and_the_worst(replayable, capsys, monkeypatch):
-    rows = [{"version": 1, "max_abs_diff": 0.25}, {"version": 2, "max_abs_diff": 1e-7}]
-    replace_flow(monkeypatch, lambda run_id, lake_uri, to_run_id: rows, "replay_flow")
+    replace_flow(monkeypatch, lambda run_id, lake_uri, to_run_id: ROWS, "replay_flow")
     assert cli.main(["replay", "r1", "--lake", str(replayable)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "v     1  max_abs_diff 2.500e-01",
@@ -657,7 +701,7 @@ def test_ctrl_c_in_a_replay_without_a_target(replayable, capsys, monkeypatch):
 
     replace_flow(monkeypatch, interrupted, "replay_flow")
     assert cli.main(["replay", "r1", "--lake", str(replayable)]) == 130
-    assert cli_stderr(capsys) == squash("interrupted: replay of r1 stopped")
+    assert cli_stderr(capsys) == squash(f"replaying run r1 in lake {replayable}\ninterrupted: replay of r1 stopped")
 
 
 # ------------------------------------------------------------------------------------------------ audit, runs
