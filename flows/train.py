@@ -23,6 +23,7 @@ from prefect import flow
 from prefect.exceptions import TerminationSignal
 
 from configs.schema import Config, load_config
+from flows import api_server
 from storage import ledger
 from storage.lake import atomic_write_bytes, read_json
 from tasks.iteration import (
@@ -40,23 +41,7 @@ from tasks.iteration import (
 from tasks.session import RunSession, open_session, unregister
 from tasks.workers import signal_handled
 
-
-def _batch_task_run_records() -> None:
-    """Have the ephemeral Prefect API server this process may start record task runs in batches.
-
-    Prefect's task-run recorder writes each task-run event in its own SQLite transaction (batch size 1): ~0.12 CPU-s
-    of the server per demo iteration on this 2-core machine, taken from rollout and training. With batches of 50
-    (flushed at least every 5 s, and at shutdown) the server used ~0.05 (60 iterations: 10.0 -> 6.1 CPU-s in all,
-    start-up included). Set before the server starts; an explicit setting wins, and a real server (PREFECT_API_URL)
-    keeps its own settings."""
-    for key in (
-        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE",
-        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE",
-    ):
-        os.environ.setdefault(key, "50")
-
-
-_batch_task_run_records()
+api_server.batch_task_run_records()  # before any temporary API server starts
 
 
 # Set by the CLI to show live progress; receives one dict per event (no-op by default).

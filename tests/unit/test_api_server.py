@@ -183,6 +183,12 @@ def test_a_server_started_in_the_background_is_the_one_prefects_client_uses(monk
     monkeypatch.setattr(SubprocessASGIServer, "_instances", {})  # this test's own server, stopped after it
     monkeypatch.setattr(SubprocessASGIServer, "_run_uvicorn_command", SubprocessASGIServer._run_uvicorn_command)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    batching = (
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE",
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE",
+    )
+    for key in batching:  # as in a command that has not imported flows.train yet
+        monkeypatch.delenv(key, raising=False)
     before = set(_children_running("flows.api_server"))
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         api_server.start_in_background()()
@@ -193,6 +199,9 @@ def test_a_server_started_in_the_background_is_the_one_prefects_client_uses(monk
                 assert client.api_healthcheck() is None  # None: it answered
                 assert str(client.api_url).rstrip("/") == server.api_url
             assert len(set(_children_running("flows.api_server")) - before) == 1
+            # the server records task runs in batches (flows.train's import set it only after the server started)
+            environ = Path(f"/proc/{server.server_process.pid}/environ").read_bytes().split(b"\0")
+            assert all(f"{key}=50".encode() in environ for key in batching)
         finally:
             process = server.server_process  # (`stop` forgets it)
             server.stop()

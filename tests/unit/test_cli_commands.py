@@ -28,20 +28,27 @@ REPO = Path(__file__).resolve().parents[2]
 ARITH = str(REPO / "configs" / "arith-tiny.yaml")
 
 
-def replace_flow(monkeypatch, flow, name: str = "train_flow") -> None:
+def replace_flow(monkeypatch, flow, name: str = "train_flow") -> list[str]:
     """The CLI's `train_flow` (flows.train) or `replay_flow` (flows.replay) replaced by `flow`; so is the start of the
     temporary Prefect API server (a unit test starts none), and `flow` is called only after that start-up was waited
-    for (asserted)."""
+    for (asserted). Returns what happened to the server: "started", then "waited" as the command did each."""
     import importlib
 
+    server: list[str] = []
     waited = []
-    monkeypatch.setattr(api_server, "start_in_background", lambda: lambda: waited.append(True))
+
+    def start():
+        server.append("started")
+        return lambda: (waited.append(True), server.append("waited"))
+
+    monkeypatch.setattr(api_server, "start_in_background", start)
 
     def checked(**kwargs):
         assert waited, "the flow was called before the temporary API server's start-up was waited for"
         return flow(**kwargs)
 
     monkeypatch.setattr(importlib.import_module(f"flows.{name.removesuffix('_flow')}"), name, checked)
+    return server
 
 
 @pytest.fixture
@@ -58,7 +65,7 @@ def no_replay(monkeypatch):
     def fail(**kwargs):
         raise AssertionError("the replay flow must not start")
 
-    replace_flow(monkeypatch, fail, "replay_flow")
+    return replace_flow(monkeypatch, fail, "replay_flow")
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -94,10 +101,12 @@ def test_replay_flow_errors_exit_2(lake_with_run, capsys, monkeypatch):
 
 @pytest.mark.parametrize("target", ["r1", "r2"])
 def test_replay_onto_an_existing_run_is_refused_before_the_flow(lake_with_run, capsys, no_replay, target):
-    """The run itself, or another run of the lake: refused before Prefect starts (was ~11 s in, inside the flow)."""
+    """The run itself, or another run of the lake: refused before Prefect starts (was ~11 s in, inside the flow), its
+    temporary API server included."""
     (lake_with_run / "runs" / "r2").mkdir()
     (lake_with_run / "runs" / "r2" / "config.json").write_text("{}")
     assert cli.main(["replay", "r1", "--lake", str(lake_with_run), "--to", target]) == 2
+    assert no_replay == []  # the server was not started
     assert squash(
         f"error: cannot replay 'r1': replay target run {target} already exists in {lake_with_run}: replay writes a "
         "new run and never overwrites one; choose another --to"
