@@ -15,6 +15,7 @@ Prints one JSON line per checkout (`tree`: this one or DIR) with the medians ove
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -49,14 +50,14 @@ def timed_train(tree: Path, config: str, run_id: str) -> dict:
         start_new_session=True,
     )
     first = ready = None
-    tail: list[str] = []
+    tail: collections.deque[str] = collections.deque(maxlen=21)  # for the error message
     try:
         for line in p.stderr:
             now = time.perf_counter() - t0
             first = now if first is None else first
             if ready is None and line.startswith(f"run {run_id}: "):
                 ready = now
-            tail = [*tail[-20:], line]
+            tail.append(line)
         code = p.wait()
     finally:
         with contextlib.suppress(ProcessLookupError):  # what the command left in its group, or all of it if we stop

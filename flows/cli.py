@@ -123,7 +123,7 @@ class _Progress:
             now = time.perf_counter()
             if self.first_done is None:
                 self.first_done = now
-            if k % max(1, self.total // 20) == 0 or "eval/accuracy" in e or k == self.total:
+            if _line_due(k, self.total) or "eval/accuracy" in e:
                 # the first iteration this process runs also starts its workers and loads their weights: the time
                 # left is taken from the iterations after it, once there are some
                 done = k - self.first - 1
@@ -137,6 +137,11 @@ class _Progress:
 
     def stop(self):
         self.progress.stop()
+
+
+def _line_due(done: int, total: int) -> bool:
+    """Whether a plain progress line (no terminal) is printed after `done` of `total`: every ~5%, and the last."""
+    return done % max(1, total // 20) == 0 or done == total
 
 
 def _progress_bar(console):
@@ -177,7 +182,7 @@ class _ReplayProgress:
             self.done += 1
             info = f"v{e['version']} max_abs_diff {e['max_abs_diff']:.3e}"
             self.progress.update(self.bar, completed=self.done, info=info)
-            if not self.console.is_terminal and (self.done % max(1, self.total // 20) == 0 or self.done == self.total):
+            if not self.console.is_terminal and _line_due(self.done, self.total):
                 per_version = (time.perf_counter() - self.t0) / self.done
                 self.console.print(
                     f"replayed {self.done}/{self.total}: {info}, eta {per_version * (self.total - self.done):.0f} s"

@@ -35,16 +35,15 @@ def replace_flow(monkeypatch, flow, name: str = "train_flow") -> list[str]:
     import importlib
 
     server: list[str] = []
-    waited = []
 
     def start():
         server.append("started")
-        return lambda: (waited.append(True), server.append("waited"))
+        return lambda: server.append("waited")
 
     monkeypatch.setattr(api_server, "start_in_background", start)
 
     def checked(**kwargs):
-        assert waited, "the flow was called before the temporary API server's start-up was waited for"
+        assert "waited" in server, "the flow was called before the temporary API server's start-up was waited for"
         return flow(**kwargs)
 
     monkeypatch.setattr(importlib.import_module(f"flows.{name.removesuffix('_flow')}"), name, checked)
