@@ -550,7 +550,7 @@ def cmd_audit(args) -> int:
     else:
         table = Table(title=f"{args.run_id}: {len(rows)} samples")
         for c in columns:
-            table.add_column(c)
+            table.add_column(c, overflow="fold")  # a terminal narrower than the table wraps a cell, never cuts it
         for r in rows:
             # Text: a response's "[b]" is shown as written, not read as rich markup
             table.add_row(
@@ -559,7 +559,10 @@ def cmd_audit(args) -> int:
                     for c, v in r.items()
                 )
             )
-        _console().print(table)
+        console = _console()
+        if not console.is_terminal:  # a pipe or a file: one line per sample, at the table's own width (80 cut it)
+            console = _console(width=_console(width=100_000).measure(table).maximum)
+        console.print(table)
     return 0
 
 

@@ -205,32 +205,73 @@ def test_parentheses_in_strings_and_names_are_not_counted(where):
     assert cli._unbalanced(where) is None
 
 
-def test_audit_table_shows_brackets_as_written(lake_with_run, capsys, monkeypatch):
-    """A response or an id with `[b]` in it is text in the table, not rich markup it would vanish into."""
+def _one_sample_catalog(lake, monkeypatch, **values):
+    """The audit of run r1 in `lake` reads one sample: the given values over plain ones. Printed as to a pipe."""
     import pyarrow as pa
 
     from storage import catalog
 
-    (lake_with_run / "runs" / "r1" / "catalog").mkdir()
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)  # what would make rich take the test's output for a terminal
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    (lake / "runs" / "r1" / "catalog").mkdir()
     row = {
-        "sample_id": "s[i]",
+        "sample_id": "r1/0/0-2958/0",
         "policy_version": 1,
         "iteration": 0,
-        "prompt_id": "p[b]:x:",
+        "prompt_id": "2958",
         "sample_index": 0,
         "reward": 0.5,
         "advantage": -0.25,
         "finish_reason": "stop",
-        "response_text": "[b]19[/b]",
+        "response_text": "27",
         "worker": 0,
-    }
+    } | values
     monkeypatch.setattr(
         catalog, "query", lambda uri, table, where, limit, columns: pa.Table.from_pylist([{c: row[c] for c in columns}])
     )
-    monkeypatch.setenv("COLUMNS", "300")  # one line per row: the cells are not wrapped
+    return row
+
+
+def test_audit_table_shows_brackets_as_written(lake_with_run, capsys, monkeypatch):
+    """A response or an id with `[b]` in it is text in the table, not rich markup it would vanish into."""
+    _one_sample_catalog(lake_with_run, monkeypatch, sample_id="s[i]", prompt_id="p[b]:x:", response_text="[b]19[/b]")
     assert cli.main(["audit", "r1", "--lake", str(lake_with_run)]) == 0
     out = capsys.readouterr().out
     assert "'[b]19[/b]'" in out and "s[i]" in out and "p[b]:x:" in out and "-0.250" in out  # :x: not an emoji
+
+
+def test_audit_table_in_a_pipe_keeps_one_line_per_sample_at_its_own_width(lake_with_run, capsys, monkeypatch):
+    """Piped or written to a file, the table is as wide as its cells: at the 80 columns a pipe gets, its ten columns
+    were cut to 'r1/0…' and 'poli…' (unreadable, and no use to grep)."""
+    long = "the answer is " + "9" * 90
+    row = _one_sample_catalog(lake_with_run, monkeypatch, response_text=long)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "sample_id" in line)
+    assert [c.strip() for c in header.strip("┃").split("┃")] == list(row)  # every column named in full
+    (sample,) = [line for line in lines if row["sample_id"] in line]  # the sample is one line
+    cells = [c.strip() for c in sample.strip("│").split("│")]
+    assert cells == ["r1/0/0-2958/0", "1", "0", "2958", "0", "0.500", "-0.250", "stop", repr(long), "0"]
+    assert "…" not in "\n".join(lines) and len(sample) > 150
+
+
+def test_audit_table_on_a_narrow_terminal_wraps_cells_and_cuts_none(lake_with_run, capsys, monkeypatch):
+    """On a terminal narrower than the table a cell folds onto more lines; read down its column, it is whole."""
+    import re
+
+    row = _one_sample_catalog(lake_with_run, monkeypatch, response_text="x" * 60)
+    monkeypatch.setenv("COLUMNS", "60")
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # what rich reads as a terminal
+    assert cli.main(["audit", "r1", "--lake", str(lake_with_run)]) == 0
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 60 and "…" not in out
+    body = [[c.strip() for c in line.strip("│").split("│")] for line in lines if line.startswith("│")]
+    assert len(body) > 1  # the one sample took several lines
+    column = {name: "".join(cells[i] for cells in body) for i, name in enumerate(row)}
+    assert column["sample_id"] == row["sample_id"] and column["response_text"] == repr(row["response_text"])
+    assert column["advantage"] == "-0.250" and column["finish_reason"] == "stop"
 
 
 # ------------------------------------------------------------------------------------------------ runs
