@@ -37,7 +37,7 @@ from models.tiny import (
     single_token_id,
 )
 from models.trainer import LossSettings, PolicyTrainer
-from storage import checkpoints, lease, scratch
+from storage import catalog, checkpoints, lease, scratch
 from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, move_folder, validate_run_id
 from storage.tracking import Tracker
@@ -644,6 +644,8 @@ def _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, l
             version,
             device,
         )
+        if cfg.pipeline.catalog and catalog.catalog_uri(lake, run_id) is not None:
+            session.hold(catalog.import_in_background)  # at the first iteration's release, as its rollouts start
         if pushes_weights(cfg):
             session.weights = SharedWeights.create(trainer.model)
             undo.callback(session.weights.unlink)

@@ -164,3 +164,26 @@ def test_a_catalog_write_cut_short_is_finished_by_the_next(tmp_path):
     v1 = db.open_table(catalog.ROLLOUTS)
     v1.checkout("v1")
     assert v1.count_rows() == 32  # the tag of version 1 shows iteration 0's rows only
+
+
+def test_lancedb_is_imported_in_a_thread_of_its_own_that_a_run_ending_waits_for():
+    """`import_in_background` starts the import at once, off the caller's thread, in a thread the interpreter's exit
+    waits for (not a daemon: a run that ends mid-import does not tear it down). Checked in a fresh interpreter, where
+    LanceDB is not imported yet."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    source = (
+        "import sys, threading\n"
+        "from storage import catalog\n"
+        "assert 'lancedb' not in sys.modules\n"
+        "thread = catalog.import_in_background()\n"
+        "assert thread is not threading.current_thread() and thread.is_alive() and not thread.daemon\n"
+        "thread.join()\n"
+        "print(sys.modules['lancedb'].__name__)\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", source], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "lancedb"

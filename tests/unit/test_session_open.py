@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from configs.schema import load_config
-from storage import checkpoints, lease
+from storage import catalog, checkpoints, lease
 from storage.lake import Lake
 from tasks import session as session_module
 from tasks.workers import SharedWeights
@@ -64,6 +64,22 @@ def test_the_shared_weights_start_as_the_trainers_v0(opening):
         assert all(torch.equal(views[k], params[k].detach()) for k in views)
     finally:
         s.weights.unlink()
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+def test_a_run_with_a_catalog_imports_lancedb_at_its_first_release(opening, indexed):
+    """LanceDB's import (~1.7 s holding the GIL) is held for the first iteration's release, where the flow's thread
+    only waits for the workers' first shard; left to the first audit, it ran beside iteration 1's training. A run
+    without a catalog imports nothing."""
+    cfg, lake, trainer, tok, events = opening
+    if not indexed:
+        cfg = load_config(None, [f"lake.uri={lake.uri}", "run.run_id=r1", "pipeline.catalog=false", *SMALL])
+    s = _open(cfg, lake, trainer, tok)
+    try:
+        assert s.held == ([catalog.import_in_background] if indexed else [])
+    finally:
+        if s.weights is not None:
+            s.weights.unlink()
 
 
 def test_a_session_that_fails_after_its_workers_started_ends_them_its_mlflow_run_and_its_shared_weights(
