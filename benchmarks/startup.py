@@ -1,6 +1,8 @@
 """Start-up of `lockstep train`: wall seconds from launching the command to its first output line, to the run being
 ready (its line `run R: initial held-out accuracy ...`: Prefect's API server up, the flow run created, the MLflow
-run open, v0 loaded and evaluated, the rollout workers starting) and to its end.
+run open, v0 loaded and evaluated, the rollout workers starting) and to its end; and the first two iterations' own
+seconds from their progress lines (`first_iteration_s` waits for the workers to start; `second_iteration_s` is where
+one-off work beside training showed: LanceDB's import by the first audit, until 2026-12-05).
 
 Runs the demo config (`configs/arith-tiny.yaml`) for `--iterations` iterations in a temporary lake whose bootstrap
 is built once by a first run that is not measured, so every measured run starts as a second run of the demo does.
@@ -8,7 +10,8 @@ With `--against DIR` (another checkout of lockstep, e.g. `git worktree add DIR C
 same runs are made from both checkouts in ABBA order, side by side in one lake.
 
 Prints one JSON line per checkout (`tree`: this one or DIR) with the medians over `--repeats` runs of `first_line_s`,
-`ready_s` and `end_s`, then, with `--against`, one JSON line of the ratios DIR / this.
+`ready_s`, `end_s`, `first_iteration_s` and `second_iteration_s`, then, with `--against`, one JSON line of the
+ratios DIR / this.
 
     .venv/bin/python -m benchmarks.startup [--repeats 5] [--iterations 3] [--against DIR]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -31,12 +35,20 @@ import yaml
 from benchmarks.common import abba, check_range, emit, parser
 
 REPO = Path(__file__).resolve().parents[1]
-FIGURES = ("first_line_s", "ready_s", "end_s")
+FIGURES = ("first_line_s", "ready_s", "end_s", "first_iteration_s", "second_iteration_s")
+_PROGRESS = re.compile(r"iteration (\d+)/\d+ .* ([0-9.]+) s/it")  # the CLI's progress line, as written to a pipe
+
+
+def iteration_seconds(line: str) -> tuple[int, float] | None:
+    """(k, the seconds iteration k took; k from 1 as the line counts) from a progress line; None for other lines."""
+    m = _PROGRESS.match(line)
+    return (int(m.group(1)), float(m.group(2))) if m else None
 
 
 def timed_train(tree: Path, config: str, run_id: str) -> dict:
     """Run `lockstep train config -o run.run_id=run_id` from checkout `tree` in its own process group; the seconds from
-    its launch to its first line, to its `run R: initial held-out accuracy` line and to its exit."""
+    its launch to its first line, to its `run R: initial held-out accuracy` line and to its exit, and the seconds of
+    its first two iterations."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("PREFECT_API_URL", None)  # each command starts its own temporary server, as a user's does
     t0 = time.perf_counter()
@@ -50,6 +62,7 @@ def timed_train(tree: Path, config: str, run_id: str) -> dict:
         start_new_session=True,
     )
     first = ready = None
+    iterations: dict[int, float] = {}
     tail: collections.deque[str] = collections.deque(maxlen=21)  # for the error message
     try:
         for line in p.stderr:
@@ -57,6 +70,8 @@ def timed_train(tree: Path, config: str, run_id: str) -> dict:
             first = now if first is None else first
             if ready is None and line.startswith(f"run {run_id}: "):
                 ready = now
+            if (progress := iteration_seconds(line)) is not None:
+                iterations.setdefault(*progress)
             tail.append(line)
         code = p.wait()
     finally:
@@ -64,9 +79,15 @@ def timed_train(tree: Path, config: str, run_id: str) -> dict:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     end = time.perf_counter() - t0
-    if code != 0 or ready is None:
+    if code != 0 or ready is None or not {1, 2} <= set(iterations):
         raise RuntimeError(f"`lockstep train` from {tree} exited with {code}:\n{''.join(tail)}")
-    return {"first_line_s": first, "ready_s": ready, "end_s": end}
+    return {
+        "first_line_s": first,
+        "ready_s": ready,
+        "end_s": end,
+        "first_iteration_s": iterations[1],
+        "second_iteration_s": iterations[2],
+    }
 
 
 def _exit_on_signal(signum, frame):
@@ -80,7 +101,7 @@ def main() -> None:
     ap.add_argument("--against", help="another checkout of lockstep to run the same way, side by side")
     args = ap.parse_args()
     check_range(ap, "--repeats", args.repeats, 1, 100)
-    check_range(ap, "--iterations", args.iterations, 1, 1000)
+    check_range(ap, "--iterations", args.iterations, 2, 1000)  # the second iteration is one of the figures
     trees = {"this": REPO}
     if args.against is not None:
         other = Path(args.against).resolve()

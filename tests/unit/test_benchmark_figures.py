@@ -12,7 +12,7 @@ from benchmarks.common import abba
 from benchmarks.pipeline import comparison, summarise
 from benchmarks.resume import resume_figures
 from benchmarks.shared_prompt import point_figures, targets
-from benchmarks.startup import startup_figures
+from benchmarks.startup import iteration_seconds, startup_figures
 
 
 def test_abba_alternates_which_configuration_goes_first():
@@ -240,14 +240,29 @@ def test_flattened_reaches_the_share_with_evenly_spread_groups():
 
 
 def test_startup_figures_are_medians_per_checkout_and_ratios_of_the_medians():
-    def run(first, ready, end):
-        return {"first_line_s": first, "ready_s": ready, "end_s": end}
+    def run(first, ready, end, it1, it2):
+        return {
+            "first_line_s": first,
+            "ready_s": ready,
+            "end_s": end,
+            "first_iteration_s": it1,
+            "second_iteration_s": it2,
+        }
 
-    this = [run(2, 10, 20), run(3, 12, 30), run(100, 11, 21)]
-    old = [run(4, 16, 25), run(5, 15, 26), run(6, 14, 24)]
+    this = [run(2, 10, 20, 4, 0.7), run(3, 12, 30, 5, 0.6), run(100, 11, 21, 3, 0.8)]
+    old = [run(4, 16, 25, 4, 2.0), run(5, 15, 26, 4, 2.6), run(6, 14, 24, 6, 2.1)]
     lines = startup_figures({"this": this, "/old": old})
-    assert lines[0] == {"tree": "this", **run(3, 11, 21)}  # medians (means would give 35, 11, 23.7)
-    assert lines[1] == {"tree": "/old", **run(5, 15, 25)}
-    # ratios of the medians: the medians of the runs' pairwise ratios would give 1.67, 1.27, 1.14
-    assert lines[2] == {"ratio": "/old / this", **run(5 / 3, 15 / 11, 25 / 21)}
+    assert lines[0] == {"tree": "this", **run(3, 11, 21, 4, 0.7)}  # medians (means would give 35, 11, 23.7, 4, 0.7)
+    assert lines[1] == {"tree": "/old", **run(5, 15, 25, 4, 2.1)}
+    # ratios of the medians: the medians of the runs' pairwise ratios would give 1.67, 1.27, 1.14, 1, 3.25
+    assert lines[2] == {"ratio": "/old / this", **run(5 / 3, 15 / 11, 25 / 21, 1, 2.1 / 0.7)}
     assert startup_figures({"this": this}) == [lines[0]]  # one checkout: no ratio
+
+
+def test_an_iterations_seconds_are_read_from_its_progress_line():
+    line = "iteration 2/3 reward 0.530 acc 0.420 gen 1611 tok/s train 397 tok/s 2.00 s/it eta 8 s\n"
+    assert iteration_seconds(line) == (2, 2.0)
+    long = "iteration 12/300 reward 0.1 acc 0.2 gen 1 tok/s train 2 tok/s 0.68 s/it eta 9 s"
+    assert iteration_seconds(long) == (12, 0.68)
+    for other in ("run r: initial held-out accuracy 0.420", "done in 10 s: held-out accuracy 0.000 -> 0.000"):
+        assert iteration_seconds(other) is None
