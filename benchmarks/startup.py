@@ -51,6 +51,8 @@ def timed_train(tree: Path, config: str, run_id: str) -> dict:
     its first two iterations."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("PREFECT_API_URL", None)  # each command starts its own temporary server, as a user's does
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE"):  # rich would draw its live bar and print no progress lines
+        env.pop(name, None)
     t0 = time.perf_counter()
     p = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "train", config, "-o", f"run.run_id={run_id}"],
@@ -80,7 +82,8 @@ def timed_train(tree: Path, config: str, run_id: str) -> dict:
         p.wait()
     end = time.perf_counter() - t0
     if code != 0 or ready is None or not {1, 2} <= set(iterations):
-        raise RuntimeError(f"`lockstep train` from {tree} exited with {code}:\n{''.join(tail)}")
+        what = f"exited with {code}" if code != 0 else "printed no progress line for iteration 1 or 2"
+        raise RuntimeError(f"`lockstep train` from {tree} {what}:\n{''.join(tail)}")
     return {
         "first_line_s": first,
         "ready_s": ready,
@@ -101,7 +104,8 @@ def main() -> None:
     ap.add_argument("--against", help="another checkout of lockstep to run the same way, side by side")
     args = ap.parse_args()
     check_range(ap, "--repeats", args.repeats, 1, 100)
-    check_range(ap, "--iterations", args.iterations, 2, 1000)  # the second iteration is one of the figures
+    # the second iteration is one of the figures, and up to 39 iterations every one prints its line (flows.cli._line_due)
+    check_range(ap, "--iterations", args.iterations, 2, 39)
     trees = {"this": REPO}
     if args.against is not None:
         other = Path(args.against).resolve()

@@ -34,12 +34,20 @@ def import_in_background() -> threading.Thread:
     """Import LanceDB in a thread of its own, started now; returns the thread.
 
     The import is ~1.7 s of Python holding the GIL here. Left to the first audit, which runs beside iteration 1's
-    training, it made that iteration ~1.6 s longer in every run (demo config, 2 cores). The flow starts it where
-    its own thread only waits: as iteration 0's rollouts begin, the workers still starting. Not a daemon thread:
+    training, it made that iteration ~1.6 s longer in every run (demo config, 2 cores). The flow starts it at its
+    first iteration's release: in sync and periodic mode as that iteration's rollouts begin, where its own thread
+    only waits for the workers' first shard; in async mode before its first training. Not a daemon thread:
     a run that ends within the import waits for it rather than tearing an extension module's import down."""
-    thread = threading.Thread(target=importlib.import_module, args=("lancedb",), name="lockstep-lancedb-import")
+    thread = threading.Thread(target=_import_lancedb, name="lockstep-lancedb-import")
     thread.start()
     return thread
+
+
+def _import_lancedb() -> None:
+    try:
+        importlib.import_module("lancedb")
+    except Exception:  # raised again, in its place, by the first audit's own import
+        pass
 
 
 def _connect(uri: str):

@@ -118,6 +118,8 @@ def test_unknown_flag_exits_2(module, env):
         ("zero_advantage", ["--partial-credit", "1"], "--partial-credit 1.0: must be in [0, 1)"),
         ("zero_advantage", ["--partial-credit", "0", "0.0"], "--partial-credit 0.0 0.0: give each value once"),
         ("startup", ["--repeats", "0"], "--repeats 0: must be in [1, 100]"),
+        ("startup", ["--iterations", "1"], "--iterations 1: must be in [2, 39]"),
+        ("startup", ["--iterations", "40"], "--iterations 40: must be in [2, 39]"),
         ("startup", ["--against", "/"], "--against /: not a checkout of lockstep (no flows/cli.py there)"),
     ],
 )

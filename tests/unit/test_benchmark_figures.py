@@ -266,3 +266,23 @@ def test_an_iterations_seconds_are_read_from_its_progress_line():
     assert iteration_seconds(long) == (12, 0.68)
     for other in ("run r: initial held-out accuracy 0.420", "done in 10 s: held-out accuracy 0.000 -> 0.000"):
         assert iteration_seconds(other) is None
+
+
+def test_the_clis_progress_lines_of_a_run_up_to_39_iterations_give_every_iterations_seconds(monkeypatch):
+    """What `benchmarks.startup` parses is what `lockstep train` prints to a pipe, for every iteration of a run it
+    accepts (`--iterations` 2 to 39)."""
+    import io
+
+    from flows import cli
+
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    for total in (2, 3, 39):
+        out = io.StringIO()
+        progress = cli._Progress(cli._console(file=out, soft_wrap=True))
+        progress({"event": "start", "run_id": "r", "accuracy": 0.4, "iterations": total, "start": 0})
+        for i in range(total):
+            figures = {"reward/mean": 0.5, "perf/gen_tokens_per_s": 2000.0, "perf/train_tokens_per_s": 1000.0}
+            progress({"event": "iteration", "iteration": i, "time/iteration_s": 1 + i / 100, **figures})
+        parsed = [iteration_seconds(line) for line in out.getvalue().splitlines()]
+        assert [p for p in parsed if p is not None] == [(k, round(1 + (k - 1) / 100, 2)) for k in range(1, total + 1)]

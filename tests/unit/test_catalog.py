@@ -187,3 +187,18 @@ def test_lancedb_is_imported_in_a_thread_of_its_own_that_a_run_ending_waits_for(
     out = subprocess.run([sys.executable, "-c", source], cwd=repo, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "lancedb"
+
+
+def test_a_lancedb_that_fails_to_import_is_left_to_the_first_audit_to_name(monkeypatch, tmp_path):
+    """The thread says nothing of a failed import (no traceback in the middle of the run's progress); the audit's
+    own import raises it where it belongs."""
+    import sys
+    import threading
+
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", seen.append)
+    monkeypatch.setitem(sys.modules, "lancedb", None)  # `import lancedb` raises ImportError
+    catalog.import_in_background().join()
+    assert seen == []
+    with pytest.raises(ImportError):
+        catalog._connect(str(tmp_path / "catalog"))

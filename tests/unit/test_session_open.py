@@ -66,17 +66,19 @@ def test_the_shared_weights_start_as_the_trainers_v0(opening):
         s.weights.unlink()
 
 
-@pytest.mark.parametrize("indexed", [True, False])
-def test_a_run_with_a_catalog_imports_lancedb_at_its_first_release(opening, indexed):
+@pytest.mark.parametrize("indexed", ["catalog", "catalog off", "memory lake"])
+def test_a_run_with_a_catalog_imports_lancedb_at_its_first_release(opening, indexed, memory_lake):
     """LanceDB's import (~1.7 s holding the GIL) is held for the first iteration's release, where the flow's thread
     only waits for the workers' first shard; left to the first audit, it ran beside iteration 1's training. A run
-    without a catalog imports nothing."""
+    without a catalog (turned off, or on a memory:// lake, where LanceDB cannot write one) imports nothing."""
     cfg, lake, trainer, tok, events = opening
-    if not indexed:
-        cfg = load_config(None, [f"lake.uri={lake.uri}", "run.run_id=r1", "pipeline.catalog=false", *SMALL])
+    if indexed != "catalog":
+        lake = memory_lake if indexed == "memory lake" else lake
+        off = ["pipeline.catalog=false"] if indexed == "catalog off" else []
+        cfg = load_config(None, [f"lake.uri={lake.uri}", "run.run_id=r1", *off, *SMALL])
     s = _open(cfg, lake, trainer, tok)
     try:
-        assert s.held == ([catalog.import_in_background] if indexed else [])
+        assert s.held == ([catalog.import_in_background] if indexed == "catalog" else [])
     finally:
         if s.weights is not None:
             s.weights.unlink()
