@@ -52,7 +52,7 @@ def test_replay_and_audit(tmp_path, capsys, monkeypatch):
     (d1,), (d2,) = ([float(ln.split()[-1]) for ln in lines if ln.split()[:2] == ["v", str(v)]] for v in (1, 2))
     assert d1 <= 1e-5 and abs(d2 - 0.25) <= 1e-5, lines
     assert lines[-1] == f"replayed 2 versions of orig; worst max_abs_diff {d2:.3e}"
-    # stderr shows each version as it is replayed (here every version: 2 // 20 rounds up to 1)
+    # stderr shows each version as it is replayed (here every version: a line every max(1, 2 // 20) = 1)
     progress = [ln.split(", eta")[0] for ln in captured.err.splitlines() if ln.startswith("replayed ")]
     assert progress == [f"replayed 1/2: v1 max_abs_diff {d1:.3e}", f"replayed 2/2: v2 max_abs_diff {d2:.3e}"]
     with open(weights, "wb") as f:  # the run as it was, for the audit below
