@@ -237,3 +237,189 @@ def test_a_background_start_that_fails_is_raised_by_wait_and_a_configured_server
     # the start-up ran with this context's settings (2 s), not the environment's (`make test`: 90 s)
     assert time.monotonic() - t0 < 45
     assert not SubprocessASGIServer().running
+
+
+def _task_run_event():
+    import uuid
+
+    from prefect.server.events.schemas.events import ReceivedEvent
+    from prefect.types._datetime import now
+
+    run = f"prefect.task-run.{uuid.uuid4()}"
+    event = ReceivedEvent(
+        occurred=now("UTC"),
+        received=now("UTC"),
+        event="prefect.task-run.Running",
+        resource={"prefect.resource.id": run, "prefect.orchestration": "client"},
+        id=uuid.uuid4(),
+    )
+    return type("Message", (), {"data": event.model_dump_json(), "attributes": {}})(), event.id
+
+
+@pytest.fixture
+def recorder(monkeypatch, caplog):
+    """Prefect's task-run recorder (`consumer`) with its database write replaced: the first write waits until it is
+    cancelled (a flush in flight when the server shuts down), later ones record the event ids they were given.
+    Yields (the ids of each write, the recorder's ERROR records that got through its logger's filters)."""
+    import asyncio
+    import logging
+
+    from prefect.server.services import task_run_recorder
+
+    writes: list[list] = []
+
+    async def write(events) -> None:
+        writes.append([e.id for e in events])
+        if len(writes) == 1:
+            await asyncio.Event().wait()  # never set: only a cancel ends it
+
+    monkeypatch.setattr(task_run_recorder, "record_bulk_task_run_events", write)
+    logger = logging.getLogger(api_server.TASK_RUN_RECORDER)
+    with caplog.at_level(logging.ERROR, logger=api_server.TASK_RUN_RECORDER):
+        yield writes, lambda: [r for r in caplog.records if r.name == api_server.TASK_RUN_RECORDER]
+    for f in [f for f in logger.filters if isinstance(f, api_server.RetriedFlushes)]:
+        logger.removeFilter(f)
+
+
+async def _until(condition) -> None:
+    import asyncio
+
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.parametrize("filtered", [True, False], ids=["with-the-filter", "without-it"])
+def test_a_periodic_flush_cut_by_the_shutdown_is_retried_and_its_error_dropped(recorder, filtered):
+    """The periodic flush is writing one event when the shutdown cancels it: Prefect puts the event back and the
+    final flush writes it, so the ERROR with its CancelledError traceback (what a Ctrl-C'd command printed) is
+    dropped by the filter; without the filter it gets through (the test sees it)."""
+    import asyncio
+    import logging
+
+    from prefect.server.services.task_run_recorder import consumer
+
+    writes, errors = recorder
+    if filtered:
+        logging.getLogger(api_server.TASK_RUN_RECORDER).addFilter(api_server.RetriedFlushes())
+    message, event_id = _task_run_event()
+
+    async def run() -> None:
+        async with consumer(write_batch_size=50, flush_every=1) as handle:
+            await handle(message)
+            await _until(lambda: writes)  # the periodic flush (after 1 s) is writing
+
+    asyncio.run(run())
+    assert writes == [[event_id], [event_id]]  # cut, then written by the final flush
+    if filtered:
+        assert errors() == []
+    else:
+        [error] = errors()
+        assert error.getMessage() == "Error flushing 1 events (1 to retry, 0 dropped)"
+        assert isinstance(error.exc_info[1], asyncio.CancelledError)
+
+
+def test_a_batch_flush_cut_by_the_shutdown_is_retried_and_its_error_dropped(recorder):
+    """A full batch is written by the handler itself (batch size 1 here); the shutdown cancels the consumer while it
+    writes: the same retry by the final flush, the same error dropped."""
+    import asyncio
+    import logging
+
+    from prefect.server.services.task_run_recorder import consumer
+
+    writes, errors = recorder
+    logging.getLogger(api_server.TASK_RUN_RECORDER).addFilter(api_server.RetriedFlushes())
+    message, event_id = _task_run_event()
+
+    async def run() -> None:
+        async with consumer(write_batch_size=1, flush_every=60) as handle:
+            consuming = asyncio.create_task(handle(message))  # as the consumer's task runs it
+            await _until(lambda: writes)
+            consuming.cancel()  # TaskRunRecorder.stop
+            with pytest.raises(asyncio.CancelledError):
+                await consuming
+
+    asyncio.run(run())
+    assert writes == [[event_id], [event_id]]
+    assert errors() == []
+
+
+def test_a_dropped_event_or_a_cut_final_flush_is_still_reported(recorder):
+    """What nothing retries stays on the console: the cut flush that drops its event (its retries spent), and the
+    final flush when it is itself cancelled."""
+    import asyncio
+    import logging
+
+    from prefect.server.services.task_run_recorder import consumer
+
+    writes, errors = recorder
+    logging.getLogger(api_server.TASK_RUN_RECORDER).addFilter(api_server.RetriedFlushes())
+    message, event_id = _task_run_event()
+
+    async def dropping() -> None:
+        async with consumer(write_batch_size=50, flush_every=1, max_persist_retries=0) as handle:
+            await handle(message)
+            await _until(lambda: writes)
+
+    asyncio.run(dropping())
+    assert writes == [[event_id]]  # dropped: no final flush
+    assert [e.getMessage() for e in errors()] == [
+        f"Dropping event {event_id} after 1 failed attempts",
+        "Error flushing 1 events (0 to retry, 1 dropped)",
+    ]
+
+    writes.clear()
+    records = len(errors())
+
+    async def final_flush_cut() -> None:
+        async def run() -> None:
+            async with consumer(write_batch_size=50, flush_every=60) as handle:
+                await handle(message)
+            # the final flush writes (first write: waits until cancelled)
+
+        running = asyncio.create_task(run())
+        await _until(lambda: writes)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+
+    asyncio.run(final_flush_cut())
+    assert writes == [[event_id]]
+    [error] = errors()[records:]
+    assert error.getMessage() == "Error flushing 1 events (1 to retry, 0 dropped)"
+
+
+def test_the_servers_stop_installs_the_filter_before_the_shutdown_starts(monkeypatch):
+    """`main`'s stop (called by `watch_parent` on the command's SIGTERM) adds the filter, then asks uvicorn to shut
+    down; before it, the recorder's logger has none."""
+    import logging
+
+    import uvicorn
+
+    import tasks.workers
+
+    logger = logging.getLogger(api_server.TASK_RUN_RECORDER)
+    ours = lambda: [f for f in logger.filters if isinstance(f, api_server.RetriedFlushes)]  # noqa: E731
+    stops = []
+    seen = {}
+
+    class Server:
+        def __init__(self, config):
+            self.should_exit, self.started = False, True
+
+        def run(self):
+            seen["before"] = (len(ours()), self.should_exit)
+            stops[0]()
+            seen["after"] = (len(ours()), self.should_exit)
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # main ignores SIGINT: not in this test process
+    monkeypatch.setattr(tasks.workers, "watch_parent", lambda parent, stop, period_s: stops.append(stop))
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    try:
+        api_server.main(free_port(), os.getpid())
+        assert seen == {"before": (0, False), "after": (1, True)}
+    finally:
+        for f in ours():
+            logger.removeFilter(f)
