@@ -9,7 +9,8 @@ With `install`, the server's process runs `main` below, which ignores SIGINT and
 (`tasks.workers.watch_parent`), which sends it as it exits (Prefect's atexit); it also stops if the command dies,
 and SIGKILL or the terminal's SIGHUP to the group still end it.
 
-`install` must run before anything of Prefect starts the server (a command's first flow)."""
+`install` must run before anything of Prefect starts the server (a command's first flow): the CLI runs it first, and
+importing `flows.train` runs it for a script that calls `train_flow` itself."""
 
 from __future__ import annotations
 
@@ -49,9 +50,8 @@ def batch_task_run_records() -> None:
     Prefect's task-run recorder writes each task-run event in its own SQLite transaction (batch size 1): ~0.12 CPU-s
     of the server per demo iteration on this 2-core machine, taken from rollout and training. With batches of 50
     (flushed at least every 5 s, and at shutdown) the server used ~0.05 (60 iterations: 10.0 -> 6.1 CPU-s in all,
-    start-up included). Set before the server starts (its process takes this process's environment): by `install`,
-    and when `flows.train` is imported; an explicit setting wins, and a real server (PREFECT_API_URL) keeps its own
-    settings."""
+    start-up included). Set by `install`, before the server starts (its process takes this process's environment);
+    an explicit setting wins, and a real server (PREFECT_API_URL) keeps its own settings."""
     for key in (
         "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE",
         "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE",

@@ -41,7 +41,9 @@ from tasks.iteration import (
 from tasks.session import RunSession, open_session, unregister
 from tasks.workers import signal_handled
 
-api_server.batch_task_run_records()  # before any temporary API server starts
+# Called as a library (not through the CLI), the flow's first call starts Prefect's temporary API server: this makes it
+# lockstep's (deaf to a Ctrl-C to the group, stopped when this process dies), as the CLI's is
+api_server.install()
 
 
 # Set by the CLI to show live progress; receives one dict per event (no-op by default).

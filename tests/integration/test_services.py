@@ -78,9 +78,10 @@ def test_run_triggered_through_the_deployment(tmp_path):
                 assert state.is_completed(), (
                     f"{state.type}: {state.message}\n" + (tmp_path / "serve.log").read_text()[-3000:]
                 )
-                # task-run states reach the server as events, recorded in batches (flows/train.py sets a batch size
-                # that this server inherits), so the last ones can land seconds after the flow run's final state, and
-                # a task run can be read before any state of it is recorded (its state is then None)
+                # task-run states reach the server as events, recorded in batches (this server inherits the batch size
+                # that flows.api_server.install sets in a test process that imported flows.train), so the last ones can
+                # land seconds after the flow run's final state, and a task run can be read before any state of it is
+                # recorded (its state is then None)
                 deadline = time.monotonic() + 60
                 while True:
                     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))

@@ -127,7 +127,9 @@ def test_install_replaces_the_server_command_only_where_prefect_would_start_a_se
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    prefects = SubprocessASGIServer._run_uvicorn_command
+    def prefects(server):  # what Prefect's would be: this process may have run `install` already (flows.train)
+        raise AssertionError("not called")
+
     monkeypatch.setattr(SubprocessASGIServer, "_run_uvicorn_command", prefects)  # restored after the test
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
         api_server.install()
@@ -136,6 +138,21 @@ def test_install_replaces_the_server_command_only_where_prefect_would_start_a_se
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         api_server.install()
     assert SubprocessASGIServer._run_uvicorn_command is api_server._server_process
+
+
+def test_the_flow_called_as_a_library_starts_this_modules_server():
+    """A script that imports flows.train and calls `train_flow` (a benchmark, a notebook) gets the server the CLI
+    starts: before, Prefect's own, which a Ctrl-C to the group shut down first (the script then hung ~75 s in
+    Prefect's retries and ended in a ConnectError) and which a SIGTERM to the script left running, orphaned."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    probe = (
+        "import flows.train; from flows import api_server; "
+        "from prefect.server.api.server import SubprocessASGIServer as S; "
+        "print(S._run_uvicorn_command is api_server._server_process)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 
 def test_the_server_command_runs_this_module_on_the_servers_port(monkeypatch):
