@@ -150,18 +150,23 @@ class RetriedFlushes(logging.Filter):
     RETRIED_BY_THE_FINAL_FLUSH = frozenset({"flush_periodically", "message_handler"})
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info is None or not isinstance(record.exc_info[1], asyncio.CancelledError):
-            return True
-        if not record.getMessage().endswith(" 0 dropped)"):
-            return True
+        cut_and_retried = (
+            record.exc_info is not None
+            and isinstance(record.exc_info[1], asyncio.CancelledError)
+            and record.getMessage().endswith(" 0 dropped)")
+            and self._flushing_for_a_retried_caller()
+        )
+        return not cut_and_retried
+
+    def _flushing_for_a_retried_caller(self) -> bool:
+        """Whether the logging call's own stack holds the recorder's `flush_periodically` or `message_handler`."""
         frame = sys._getframe()
-        while frame is not None:  # the logging call's own stack: the recorder's caller of `flush` is on it
-            if frame.f_code.co_name in self.RETRIED_BY_THE_FINAL_FLUSH and frame.f_globals.get("__name__") == (
-                TASK_RUN_RECORDER
-            ):
-                return False
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name in self.RETRIED_BY_THE_FINAL_FLUSH and frame.f_globals.get("__name__") == TASK_RUN_RECORDER:
+                return True
             frame = frame.f_back
-        return True
+        return False
 
 
 if __name__ == "__main__":
