@@ -13,7 +13,10 @@ Prints one JSON line per checkout (`tree`: this one or DIR) with the medians ove
 `ready_s`, `end_s`, `first_iteration_s` and `second_iteration_s`, then, with `--against`, one JSON line of the
 ratios DIR / this.
 
-    .venv/bin/python -m benchmarks.startup [--repeats 5] [--iterations 3] [--against DIR]
+With `--replay` it times `lockstep replay` of the first (unmeasured) run instead: `replay_refused_s`, a replay onto
+the run itself, refused with exit 2 (the checks a mistyped command waits for), and `replay_s`, the whole replay.
+
+    .venv/bin/python -m benchmarks.startup [--repeats 5] [--iterations 3] [--against DIR] [--replay]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from benchmarks.common import abba, check_range, emit, parser
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ("first_line_s", "ready_s", "end_s", "first_iteration_s", "second_iteration_s")
+REPLAY_FIGURES = ("replay_refused_s", "replay_s")
 _PROGRESS = re.compile(r"iteration (\d+)/\d+ .* ([0-9.]+) s/it")  # the CLI's progress line, as written to a pipe
 
 
@@ -93,6 +97,28 @@ def timed_train(tree: Path, config: str, run_id: str) -> dict:
     }
 
 
+def timed_replay(tree: Path, lake: str, run_id: str) -> dict:
+    """From checkout `tree`, the wall seconds of `lockstep replay run_id --to run_id` (refused: exit 2) and of
+    `lockstep replay run_id` (exit 0)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("PREFECT_API_URL", None)  # a temporary server, as a user's command starts
+    out = {}
+    for name, extra, expected in (("replay_refused_s", ["--to", run_id], 2), ("replay_s", [], 0)):
+        t0 = time.perf_counter()
+        p = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "replay", run_id, "--lake", lake, *extra],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            start_new_session=True,
+        )
+        out[name] = time.perf_counter() - t0
+        if p.returncode != expected:
+            raise RuntimeError(f"`lockstep replay` from {tree} exited with {p.returncode}:\n{p.stderr[-3000:]}")
+    return out
+
+
 def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through the finally blocks: the child's group and the temp dir go too
 
@@ -102,6 +128,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="measured runs per checkout")
     ap.add_argument("--iterations", type=int, default=3, help="iterations of each run")
     ap.add_argument("--against", help="another checkout of lockstep to run the same way, side by side")
+    ap.add_argument("--replay", action="store_true", help="time `lockstep replay` of a run instead of `train`")
     args = ap.parse_args()
     check_range(ap, "--repeats", args.repeats, 1, 100)
     # the second iteration is one of the figures, and up to 39 iterations every one prints its line (flows.cli._line_due)
@@ -125,20 +152,24 @@ def main() -> None:
         order = abba(*trees, args.repeats) if len(trees) == 2 else ["this"] * args.repeats
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         for i, name in enumerate(order):
-            runs[name].append(timed_train(trees[name], str(config), f"startup-{i}"))
+            if args.replay:
+                runs[name].append(timed_replay(trees[name], f"{tmp}/lake", "warmup-0"))
+            else:
+                runs[name].append(timed_train(trees[name], str(config), f"startup-{i}"))
             print(f"{i + 1}/{len(order)} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
-    for line in startup_figures(runs):
-        emit(benchmark="startup", repeats=args.repeats, iterations=args.iterations, **line)
+    figures = REPLAY_FIGURES if args.replay else FIGURES
+    for line in startup_figures(runs, figures):
+        emit(benchmark="startup", repeats=args.repeats, iterations=args.iterations, replay=args.replay, **line)
 
 
-def startup_figures(runs: dict[str, list[dict]]) -> list[dict]:
+def startup_figures(runs: dict[str, list[dict]], figures: tuple[str, ...] = FIGURES) -> list[dict]:
     """Per checkout (`tree`), the median of each figure over its runs; with two checkouts, then the ratios of the
     medians, the other one's over this one's (a ratio above 1: this checkout starts faster)."""
-    medians = {name: {f: statistics.median(r[f] for r in rs) for f in FIGURES} for name, rs in runs.items()}
+    medians = {name: {f: statistics.median(r[f] for r in rs) for f in figures} for name, rs in runs.items()}
     lines = [{"tree": name, **m} for name, m in medians.items()]
     if len(runs) == 2:
         other = next(n for n in runs if n != "this")
-        lines.append({"ratio": f"{other} / this", **{f: medians[other][f] / medians["this"][f] for f in FIGURES}})
+        lines.append({"ratio": f"{other} / this", **{f: medians[other][f] / medians["this"][f] for f in figures}})
     return lines
 
 

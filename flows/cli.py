@@ -403,22 +403,24 @@ def cmd_replay(args) -> int:
     from storage.checkpoints import CheckpointError
     from storage.lake import validate_run_id
     from storage.lease import RunInUseError
-    from tasks.preflight import check_prefect_api
+    from tasks.preflight import check_prefect_api, check_replayable
 
     try:
         lake = _lake(args.lake)
         _run_config_path(lake, args.run_id)  # checked before the flow starts Prefect
         if args.to is not None:
             validate_run_id(args.to)
-        import flows.replay as replay_mod
-        from flows import api_server
-
-        replay_mod.check_replayable(lake, args.run_id, args.to)  # a refusal starts nothing of Prefect
+        check_replayable(lake, args.run_id, args.to)  # a refusal imports nothing of the flow and starts no server
         check_prefect_api()
         console = _console(stderr=True, soft_wrap=True)
         target = f" into run {args.to}" if args.to else ""
         console.print(f"replaying run {args.run_id} in lake {args.lake}{target}")
-        api_server.start_in_background()()  # nothing left to overlap it with: the flow starts next
+        from flows import api_server
+
+        server_started = api_server.start_in_background()  # its start overlaps the flow's imports
+        import flows.replay as replay_mod
+
+        server_started()
         progress = replay_mod.progress_hook = _ReplayProgress(console)
         # --to names an existing run, or one another process writes; other errors keep their traceback
         try:

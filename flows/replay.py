@@ -14,13 +14,17 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from configs.schema import Config, frozen_config
+from flows import api_server
 from models.trainer import RolloutGroup
 from storage import checkpoints, lease, ledger, scratch
 from storage.lake import Lake, atomic_write_bytes, read_json
 from storage.shards import read_shard
 from tasks.iteration import BatchSteps, groups_of
-from tasks.preflight import resolve_device
+from tasks.preflight import check_replayable, replay_target_exists, resolve_device
 from tasks.session import build_trainer
+
+# a script that calls replay_flow gets the same temporary Prefect API server as the CLI (flows/api_server.py)
+api_server.install()
 
 
 def _no_progress(event: dict) -> None:
@@ -59,33 +63,8 @@ def replay_flow(run_id: str, lake_uri: str = "./lake", to_run_id: str | None = N
         return _replay(run_id, lake)
     with lease.acquire(lake, to_run_id, "replay"):  # its own lease files do not make the target exist
         if lease.other_entries(lake, to_run_id):  # created while this one started
-            raise _exists(lake, to_run_id)
+            raise replay_target_exists(lake, to_run_id)
         return _replay(run_id, lake, to_run_id)
-
-
-def check_replayable(lake: Lake, run_id: str, to_run_id: str | None = None) -> None:
-    """FileNotFoundError if run `run_id` has no promoted version yet (v0 comes out of its bootstrap: a replay started
-    before it was a traceback from the model loader), CheckpointError if its v0 is incomplete; FileExistsError if the
-    target `to_run_id` is the run itself or exists (the CLI asks before Prefect starts, the flow again)."""
-    if to_run_id is not None and (to_run_id == run_id or lease.other_entries(lake, to_run_id)):
-        raise _exists(lake, to_run_id)
-    if checkpoints.promoted_version(lake, run_id) is None:
-        raise FileNotFoundError(
-            f"run {run_id} has no promoted version in {lake.uri} yet (v0 is promoted once its "
-            "bootstrap ends): replay it after that"
-        )
-    v0 = lake.checkpoint_dir(run_id, 0)
-    if not lake.fs.exists(f"{v0}/MANIFEST.json"):  # removed or damaged by hand: the loader's traceback otherwise
-        raise checkpoints.CheckpointError(
-            f"run {run_id}'s checkpoint v0 ({v0}) has no MANIFEST.json: replay starts from v0 and cannot without it"
-        )
-
-
-def _exists(lake: Lake, to_run_id: str) -> FileExistsError:
-    return FileExistsError(
-        f"replay target run {to_run_id} already exists in {lake.uri}: replay writes a new run "
-        "and never overwrites one; choose another --to"
-    )
 
 
 def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]:

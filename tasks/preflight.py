@@ -7,14 +7,19 @@ with the field, the value and what to do, not minutes later as a transformers or
 Sizes the config alone decides (arithmetic splits against the batch) are checked by `Config` itself.
 `check_prefect_api` runs before a flow starts (the CLI), `check_tracking` before the run is written and the
 bootstrap's minutes are spent (`open_session`): an MLflow server that is down was found only after the bootstrap,
-then retried for minutes.
+then retried for minutes. `check_replayable` reads the lake only: `lockstep replay` refuses a run it cannot replay
+before it imports the flow (transformers, Prefect's flow engine) or starts a server.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from configs.schema import Config, ConfigError
+
+if TYPE_CHECKING:  # a type only: each check imports what it uses as it runs
+    from storage.lake import Lake
 
 
 class InputError(ConfigError):
@@ -207,3 +212,31 @@ def check_tracking(cfg: Config) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def check_replayable(lake: Lake, run_id: str, to_run_id: str | None = None) -> None:
+    """FileNotFoundError if run `run_id` has no promoted version yet (v0 comes out of its bootstrap: a replay started
+    before it was a traceback from the model loader), CheckpointError if its v0 is incomplete; FileExistsError if the
+    target `to_run_id` is the run itself or exists (the CLI asks before it imports the flow or starts Prefect, the
+    flow again)."""
+    from storage import checkpoints, lease
+
+    if to_run_id is not None and (to_run_id == run_id or lease.other_entries(lake, to_run_id)):
+        raise replay_target_exists(lake, to_run_id)
+    if checkpoints.promoted_version(lake, run_id) is None:
+        raise FileNotFoundError(
+            f"run {run_id} has no promoted version in {lake.uri} yet (v0 is promoted once its "
+            "bootstrap ends): replay it after that"
+        )
+    v0 = lake.checkpoint_dir(run_id, 0)
+    if not lake.fs.exists(f"{v0}/MANIFEST.json"):  # removed or damaged by hand: the loader's traceback otherwise
+        raise checkpoints.CheckpointError(
+            f"run {run_id}'s checkpoint v0 ({v0}) has no MANIFEST.json: replay starts from v0 and cannot without it"
+        )
+
+
+def replay_target_exists(lake: Lake, to_run_id: str) -> FileExistsError:
+    return FileExistsError(
+        f"replay target run {to_run_id} already exists in {lake.uri}: replay writes a new run "
+        "and never overwrites one; choose another --to"
+    )

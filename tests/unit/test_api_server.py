@@ -140,19 +140,22 @@ def test_install_replaces_the_server_command_only_where_prefect_would_start_a_se
     assert SubprocessASGIServer._run_uvicorn_command is api_server._server_process
 
 
-def test_the_flow_called_as_a_library_starts_this_modules_server():
-    """A script that imports flows.train and calls `train_flow` (a benchmark, a notebook) gets the server the CLI
-    starts: before, Prefect's own, which a Ctrl-C to the group shut down first (the script then hung ~75 s in
-    Prefect's retries and ended in a ConnectError) and which a SIGTERM to the script left running, orphaned."""
+@pytest.mark.parametrize("module", ["flows.train", "flows.replay"])
+def test_the_flow_called_as_a_library_starts_this_modules_server(module):
+    """A script that imports flows.train and calls `train_flow` (a benchmark, a notebook), or flows.replay and calls
+    `replay_flow`, gets the server the CLI starts: before, Prefect's own, which a Ctrl-C to the group shut down first
+    (the script then hung ~75 s in Prefect's retries and ended in a ConnectError) and which a SIGTERM to the script
+    left running, orphaned."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     probe = (
-        "import flows.train; from flows import api_server; "
+        f"import sys, {module}; from flows import api_server; "
         "from prefect.server.api.server import SubprocessASGIServer as S; "
-        "print(S._run_uvicorn_command is api_server._server_process)"
+        "print(S._run_uvicorn_command is api_server._server_process, 'flows.train' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "True", out.stderr[-2000:]
+    # flows.replay does not import flows.train: its own import installs the server
+    assert out.stdout.split() == ["True", str(module == "flows.train")], out.stderr[-2000:]
 
 
 def test_the_server_command_runs_this_module_on_the_servers_port(monkeypatch):

@@ -12,7 +12,7 @@ from benchmarks.common import abba
 from benchmarks.pipeline import comparison, summarise
 from benchmarks.resume import resume_figures
 from benchmarks.shared_prompt import point_figures, targets
-from benchmarks.startup import iteration_seconds, startup_figures
+from benchmarks.startup import REPLAY_FIGURES, iteration_seconds, startup_figures
 
 
 def test_abba_alternates_which_configuration_goes_first():
@@ -257,6 +257,19 @@ def test_startup_figures_are_medians_per_checkout_and_ratios_of_the_medians():
     # ratios of the medians: the medians of the runs' pairwise ratios would give 1.67, 1.27, 1.14, 1, 3.25
     assert lines[2] == {"ratio": "/old / this", **run(5 / 3, 15 / 11, 25 / 21, 1, 2.1 / 0.7)}
     assert startup_figures({"this": this}) == [lines[0]]  # one checkout: no ratio
+    replays = {
+        "this": [
+            {"replay_refused_s": 3, "replay_s": 14},
+            {"replay_refused_s": 2, "replay_s": 15},
+            {"replay_refused_s": 9, "replay_s": 13},
+        ],
+        "/old": [{"replay_refused_s": 6, "replay_s": 18}],
+    }
+    assert startup_figures(replays, REPLAY_FIGURES) == [  # `--replay`: its own two figures, the same way
+        {"tree": "this", "replay_refused_s": 3, "replay_s": 14},
+        {"tree": "/old", "replay_refused_s": 6, "replay_s": 18},
+        {"ratio": "/old / this", "replay_refused_s": 2.0, "replay_s": 18 / 14},
+    ]
 
 
 def test_an_iterations_seconds_are_read_from_its_progress_line():
