@@ -217,7 +217,8 @@ def _warning(console, message: str) -> None:
 def _run_flow(console, config_path: str, overrides: list[str], resume: bool, source: str | None = None) -> int:
     from configs.schema import ConfigError, inert_settings, load_config
     from storage.lake import Lake
-    from tasks.preflight import check_backend, check_inputs, check_prefect_api
+    from storage.lease import RunInUseError
+    from tasks.preflight import RunExistsError, check_backend, check_inputs, check_prefect_api, check_run_free
 
     try:
         cfg = load_config(config_path, overrides, source)  # fail fast, before Prefect or any work starts
@@ -225,8 +226,9 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
         if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
             check_inputs(cfg)  # the model and dataset it names exist and read
             _refuse_memory(Lake(cfg.lake.uri))  # (resume's --lake was refused already)
+        check_run_free(cfg, resume)  # a run id taken or in use (the flow looks again, under the run's lease)
         check_prefect_api()  # the tracking store is checked by the flow, before it writes the run
-    except ConfigError as e:
+    except (ConfigError, RunExistsError, RunInUseError) as e:
         _error(console, str(e))
         return 2
     if not resume:  # a resumed run's frozen config sets every field: only a new run's file and -o are the user's
@@ -245,8 +247,6 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     from models.tiny import ModelDirError
     from storage.checkpoints import CheckpointError
     from storage.datasets import DatasetError
-    from storage.lease import RunInUseError
-    from tasks.session import RunExistsError
 
     progress = _Progress(console)
     train_mod.progress_hook = progress

@@ -267,6 +267,14 @@ def acquire(lake: Lake, run_id: str, command: str) -> RunLease:
     return lease
 
 
+def check_free(lake: Lake, run_id: str, command: str) -> None:
+    """RunInUseError, worded as `acquire` words it for `command`, if another process holds run `run_id` now. A look
+    only: `acquire` decides."""
+    held_by = holder(lake, run_id)
+    if held_by is not None:
+        raise _in_use(lake, run_id, held_by or None, command)
+
+
 def holder(lake: Lake, run_id: str) -> dict | None:
     """Who holds run `run_id` now (host, pid, command, since), or None if nobody does."""
     fs = lake.store

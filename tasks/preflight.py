@@ -240,3 +240,50 @@ def replay_target_exists(lake: Lake, to_run_id: str) -> FileExistsError:
         f"replay target run {to_run_id} already exists in {lake.uri}: replay writes a new run "
         "and never overwrites one; choose another --to"
     )
+
+
+class RunExistsError(RuntimeError):
+    """A `train` naming a run id the lake has already."""
+
+
+def run_config_path(lake: Lake, run_id: str) -> str:
+    return f"{lake.run_dir(run_id)}/config.json"
+
+
+def run_exists_error(cfg: Config, run_id: str, lake: Lake, ask_holder: bool = True) -> RunExistsError:
+    """The refusal of a `train` of an existing run: naming the process that runs it now, if one does (asked unless
+    this process holds the lease), or saying that it finished (a resume would have nothing to do)."""
+    from storage import lease
+
+    held_by = lease.holder(lake, run_id) if ask_holder else None
+    if held_by is not None:  # running now: a resume would be refused too
+        return RunExistsError(
+            f"run {run_id} already exists in {cfg.lake.uri} and is in use by "
+            f"{lease.describe(held_by)}: choose another run.run_id"
+        )
+    if lake.fs.exists(f"{lake.run_dir(run_id)}/summary.json"):
+        return RunExistsError(
+            f"run {run_id} already exists in {cfg.lake.uri} and has finished: choose another run.run_id, or leave "
+            "it unset to name each run by its start time"
+        )
+    return RunExistsError(
+        f"run {run_id} already exists in {cfg.lake.uri}: continue it with "
+        f"`lockstep resume {run_id} --lake {cfg.lake.uri}` or choose another run.run_id"
+    )
+
+
+def check_run_free(cfg: Config, resume: bool) -> None:
+    """The run a command names is free for it: RunExistsError for a `train` whose `run.run_id` the lake has,
+    RunInUseError (as the lease words it) for a `resume` of a run another process holds. A look only, for the CLI to
+    refuse before it imports the flow and starts Prefect; `open_session` decides, under the run's lease."""
+    from storage import lease
+    from storage.lake import Lake
+
+    run_id = cfg.run.run_id
+    if run_id is None:  # named by its start time: a name of its own
+        return
+    lake = Lake(cfg.lake.uri)
+    if resume:
+        lease.check_free(lake, run_id, "resume")
+    elif lake.fs.exists(run_config_path(lake, run_id)):
+        raise run_exists_error(cfg, run_id, lake)

@@ -41,7 +41,15 @@ from storage import catalog, checkpoints, lease, scratch
 from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, move_folder, validate_run_id
 from storage.tracking import Tracker
-from tasks.preflight import InputError, check_backend, check_inputs, check_tracking
+from tasks.preflight import (
+    InputError,
+    RunExistsError,
+    check_backend,
+    check_inputs,
+    check_tracking,
+    run_config_path,
+    run_exists_error,
+)
 from tasks.train_ranks import DataParallelTrainer
 from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
 
@@ -407,10 +415,6 @@ def evaluate(session: RunSession) -> float:
     )
 
 
-class RunExistsError(RuntimeError):
-    pass
-
-
 def attention_kernel(choice: str, device: torch.device) -> str:
     """The trainer's attention implementation: FlexAttention block masks on CUDA where available, else SDPA."""
     import importlib.util
@@ -481,18 +485,18 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
     lake = Lake(cfg.lake.uri)
     torch.set_num_threads(cfg.resources.train_threads)
     check_tracking(cfg)  # before the run is written and the bootstrap's minutes are spent
-    if resume and not lake.fs.exists(_config_path(lake, base_id)):
+    if resume and not lake.fs.exists(run_config_path(lake, base_id)):
         raise FileNotFoundError(
-            f"no run {base_id} in {cfg.lake.uri} to resume ({_config_path(lake, base_id)} is missing)"
+            f"no run {base_id} in {cfg.lake.uri} to resume ({run_config_path(lake, base_id)} is missing)"
         )
-    if not resume and not auto_id and lake.fs.exists(_config_path(lake, base_id)):
-        raise _run_exists(cfg, base_id, lake)
+    if not resume and not auto_id and lake.fs.exists(run_config_path(lake, base_id)):
+        raise run_exists_error(cfg, base_id, lake)
     if not resume:
         check_inputs(cfg)  # a model or dataset that cannot be read fails here, before the run exists
         check_task(cfg)
     candidates = (base_id if n == 1 else f"{base_id}-{n}" for n in range(1, MAX_DEFAULT_ID_TRIES + 1))
     for run_id in map(validate_run_id, candidates) if auto_id else [base_id]:
-        if auto_id and lake.fs.exists(_config_path(lake, run_id)):
+        if auto_id and lake.fs.exists(run_config_path(lake, run_id)):
             continue
         try:
             held = lease.acquire(lake, run_id, "resume" if resume else "train")  # before anything of it is touched
@@ -500,11 +504,11 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
             if auto_id:  # another run of the same second is being created under this name
                 continue
             raise
-        if resume or not lake.fs.exists(_config_path(lake, run_id)):
+        if resume or not lake.fs.exists(run_config_path(lake, run_id)):
             break
         held.release()  # a `lockstep train` of the same run id ended while this one checked
         if not auto_id:
-            raise _run_exists(cfg, run_id, lake, ask_holder=False)
+            raise run_exists_error(cfg, run_id, lake, ask_holder=False)
     else:
         raise RunExistsError(
             f"runs {base_id} to {run_id} all exist in {cfg.lake.uri}: set run.run_id, or another run.name"
@@ -522,30 +526,6 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
     return session
 
 
-def _config_path(lake: Lake, run_id: str) -> str:
-    return f"{lake.run_dir(run_id)}/config.json"
-
-
-def _run_exists(cfg: Config, run_id: str, lake: Lake, ask_holder: bool = True) -> RunExistsError:
-    """The refusal of a `train` of an existing run: naming the process that runs it now, if one does (asked unless
-    this process holds the lease), or saying that it finished (a resume would have nothing to do)."""
-    held_by = lease.holder(lake, run_id) if ask_holder else None
-    if held_by is not None:  # running now: a resume would be refused too
-        return RunExistsError(
-            f"run {run_id} already exists in {cfg.lake.uri} and is in use by "
-            f"{lease.describe(held_by)}: choose another run.run_id"
-        )
-    if lake.fs.exists(f"{lake.run_dir(run_id)}/summary.json"):
-        return RunExistsError(
-            f"run {run_id} already exists in {cfg.lake.uri} and has finished: choose another run.run_id, or leave "
-            "it unset to name each run by its start time"
-        )
-    return RunExistsError(
-        f"run {run_id} already exists in {cfg.lake.uri}: continue it with "
-        f"`lockstep resume {run_id} --lake {cfg.lake.uri}` or choose another run.run_id"
-    )
-
-
 def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resume: bool, on_progress) -> RunSession:
     """`open_session` once the run's lease is held: nobody else writes the run from here."""
     if resume:
@@ -553,7 +533,7 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
         if lake.fs.exists(tmp_dir):  # leftovers of writes cut short by the crash; never read by anyone
             lake.fs.rm(tmp_dir, recursive=True)
     else:
-        atomic_write_bytes(lake, run_id, _config_path(lake, run_id), resolved_json(cfg).encode())
+        atomic_write_bytes(lake, run_id, run_config_path(lake, run_id), resolved_json(cfg).encode())
 
     torch.set_num_threads(os.cpu_count() or 1)  # no rollout worker runs yet: the bootstrap may use every core
     v0_dir, cached = bootstrap_v0(cfg, lake, on_progress)

@@ -241,8 +241,13 @@ def held_run(tmp_path):
         yield tmp_path / "lake"
 
 
-def test_resume_of_a_run_in_use_exits_2_and_touches_nothing(held_run, capfd):
-    # the real flow: open_session takes the lease before it clears _tmp/ (where the running one writes)
+def test_resume_of_a_run_in_use_exits_2_and_touches_nothing(held_run, capfd, monkeypatch):
+    # the real flow: open_session takes the lease before it clears _tmp/ (where the running one writes); the CLI's
+    # look (tasks.preflight.check_run_free, tested in test_cli_commands) finds it free, as when the other process
+    # takes the run just after it
+    from tasks import preflight
+
+    monkeypatch.setattr(preflight, "check_run_free", lambda cfg, resume: None)
     code = cli.main(["resume", "r1", "--lake", str(held_run)])
     err = capfd.readouterr().err
     assert code == 2, err
