@@ -10,7 +10,7 @@ With `install`, the server's process runs `main` below, which ignores SIGINT and
 and SIGKILL or the terminal's SIGHUP to the group still end it.
 
 `install` must run before anything of Prefect starts the server (a command's first flow): the CLI runs it first, and
-importing `flows.train` runs it for a script that calls `train_flow` itself."""
+importing `flows.train` or `flows.replay` runs it for a script that calls `train_flow` or `replay_flow` itself."""
 
 from __future__ import annotations
 

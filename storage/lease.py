@@ -269,10 +269,10 @@ def acquire(lake: Lake, run_id: str, command: str) -> RunLease:
 
 def check_free(lake: Lake, run_id: str, command: str) -> None:
     """RunInUseError, worded as `acquire` words it for `command`, if another process holds run `run_id` now. A look
-    only: `acquire` decides."""
-    held_by = holder(lake, run_id)
-    if held_by is not None:
-        raise _in_use(lake, run_id, held_by or None, command)
+    only: `acquire` decides, and a local lock held by a process that has not written its name yet (or is letting
+    go) is left to it, since it waits a moment for the name."""
+    if held_by := holder(lake, run_id):
+        raise _in_use(lake, run_id, held_by, command)
 
 
 def holder(lake: Lake, run_id: str) -> dict | None:

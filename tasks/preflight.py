@@ -217,12 +217,14 @@ def check_tracking(cfg: Config) -> None:
 def check_replayable(lake: Lake, run_id: str, to_run_id: str | None = None) -> None:
     """FileNotFoundError if run `run_id` has no promoted version yet (v0 comes out of its bootstrap: a replay started
     before it was a traceback from the model loader), CheckpointError if its v0 is incomplete; FileExistsError if the
-    target `to_run_id` is the run itself or exists (the CLI asks before it imports the flow or starts Prefect, the
-    flow again)."""
+    target `to_run_id` is the run itself or exists, RunInUseError if another process holds it (the CLI asks before it
+    imports the flow or starts Prefect, the flow again, and once more under the target's lease)."""
     from storage import checkpoints, lease
 
     if to_run_id is not None and (to_run_id == run_id or lease.other_entries(lake, to_run_id)):
         raise replay_target_exists(lake, to_run_id)
+    if to_run_id is not None:  # held by a `train` that has not written its config yet
+        lease.check_free(lake, to_run_id, "replay")
     if checkpoints.promoted_version(lake, run_id) is None:
         raise FileNotFoundError(
             f"run {run_id} has no promoted version in {lake.uri} yet (v0 is promoted once its "
@@ -243,7 +245,8 @@ def replay_target_exists(lake: Lake, to_run_id: str) -> FileExistsError:
 
 
 class RunExistsError(RuntimeError):
-    """A `train` naming a run id the lake has already."""
+    """A `train` of a run id the lake has already: the one `run.run_id` names, or every name tried for a run named by
+    its start time."""
 
 
 def run_config_path(lake: Lake, run_id: str) -> str:

@@ -117,9 +117,6 @@ def test_a_replay_refusal_imports_neither_the_flow_nor_prefects_server(lake_with
     """A refused replay checks the lake only: the flow's module (transformers, Prefect's flow engine)
     is imported, and the temporary API server started, after the refusals (a refusal took 6.2 s with them, 2.8 s
     without, on this machine). In a fresh interpreter, since this one may have imported both already."""
-    (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000").mkdir(parents=True)
-    (lake_with_run / "runs" / "r1" / "checkpoints" / "v000000" / "MANIFEST.json").write_text("{}")
-    (lake_with_run / "runs" / "r1" / "checkpoints" / "PROMOTED").write_text('{"version": 0}')
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)
     heavy = ["flows.replay", "transformers", "prefect.server.api.server"]
@@ -556,7 +553,7 @@ def test_train_input_error_inside_the_flow_exits_2(monkeypatch, capsys, tmp_path
 
 def test_train_or_resume_of_a_run_taken_is_refused_before_the_flow(lake_with_run, capsys, monkeypatch):
     """A `train` naming a run id the lake has, or a `resume` of a run another process holds: refused from a look at
-    the lake, before the flow's imports and Prefect's server (a `train` of a finished run took 12.8-13.4 s to refuse
+    the lake, the flow not called and no server started (a `train` of a finished run took 12.8-13.4 s to refuse
     inside the flow, 1.75-1.84 s now, by hand on this machine)."""
     server = replace_flow(monkeypatch, lambda **kwargs: pytest.fail("the flow must not start"))
     argv = ["train", ARITH, "-o", f"lake.uri={lake_with_run}", "-o", "run.run_id=r1", "-o", "tracking.enabled=false"]

@@ -140,6 +140,34 @@ def test_a_remote_lease_is_refused_while_renewed_and_taken_over_when_not(monkeyp
         assert lease.holder(lake, run_id) is None
 
 
+def test_a_look_at_a_lease_refuses_as_acquire_does_and_leaves_an_unnamed_holder_to_it(tmp_path):
+    """`check_free`, the CLI's look before it starts a flow: a live remote lease is refused in `acquire`'s own words,
+    a lapsed one is free; a local lock held by a process that has not written its name yet is left to `acquire`,
+    which waits a moment for the name."""
+    lake = memory_lake()
+    write_lease(lake, "live", renewed=time.time() - 20)
+    with pytest.raises(lease.RunInUseError) as looked:
+        lease.check_free(lake, "live", "resume")
+    with pytest.raises(lease.RunInUseError) as acquired:
+        lease.acquire(lake, "live", "resume")
+    assert str(looked.value) == str(acquired.value)
+    assert "its lease was renewed 20 s ago" in str(looked.value)
+    write_lease(lake, "stale", renewed=time.time() - lease.TTL_S - 1)
+    lease.check_free(lake, "stale", "resume")
+    local = Lake(str(tmp_path / "lake"))
+    local.makedirs(local.run_dir("r1"))
+    fd = os.open(f"{local.run_dir('r1')}/LOCK", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # locked, no holder written yet
+        assert lease.holder(local, "r1") == {}
+        lease.check_free(local, "r1", "train")
+        os.pwrite(fd, json.dumps({"host": "h1", "pid": 42, "command": "train"}).encode(), 0)
+        with pytest.raises(lease.RunInUseError, match=r"is in use by `lockstep train` \(pid 42 on host h1"):
+            lease.check_free(local, "r1", "train")
+    finally:
+        os.close(fd)
+
+
 def test_a_remote_lease_is_renewed_and_its_renewer_stops_when_taken_over(monkeypatch, caplog):
     monkeypatch.setattr(lease, "SETTLE_S", 0.0)
     monkeypatch.setattr(lease, "RENEW_S", 0.05)
@@ -265,7 +293,16 @@ def test_runs_shows_a_run_in_use_as_running_with_its_holder(held_run, capsys):
     assert f"(`lockstep train` (pid {os.getpid()} on host {socket.gethostname()}, since " in line
 
 
-def test_replay_into_a_run_in_use_exits_2(held_run, capsys, monkeypatch):
+@pytest.mark.parametrize("look", [True, False], ids=["the-cli-looks", "the-flow-acquires"])
+def test_replay_into_a_run_in_use_exits_2(held_run, capsys, monkeypatch, look):
+    """Refused by the CLI's look at the lease (tasks.preflight.check_replayable), or, where the target is taken after
+    it, by the flow's own `acquire`: the same words either way."""
+    import flows.replay
+
+    if look:
+        monkeypatch.setattr(flows.replay, "replay_flow", lambda **kw: pytest.fail("the replay flow must not start"))
+    else:
+        monkeypatch.setattr(lease, "check_free", lambda lake, run_id, command: None)
     (held_run / "runs/r1/checkpoints/v000000").mkdir(parents=True)
     (held_run / "runs/r1/checkpoints/v000000/MANIFEST.json").write_text("{}")
     (held_run / "runs/r1/checkpoints/PROMOTED").write_text('{"version": 0}')
