@@ -120,7 +120,7 @@ def side_by_side_trainers(lake, run_id: str, variants: dict[str, Callable]) -> d
     from tasks.preflight import resolve_device
     from tasks.session import build_trainer
 
-    base = frozen_config(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
+    base = frozen_config(read_json(lake, lake.config_file(run_id)))
     torch.set_num_threads(base.resources.train_threads)
     trainers = {}
     with tempfile.TemporaryDirectory() as cache:

@@ -49,14 +49,20 @@ def iteration_seconds(line: str) -> tuple[int, float] | None:
     return (int(m.group(1)), float(m.group(2))) if m else None
 
 
-def timed_train(tree: Path, config: str, run_id: str) -> dict:
-    """Run `lockstep train config -o run.run_id=run_id` from checkout `tree` in its own process group; the seconds from
-    its launch to its first line, to its `run R: initial held-out accuracy` line and to its exit, and the seconds of
-    its first two iterations."""
+def _command_env(tree: Path) -> dict:
+    """The environment of a `lockstep` command run from checkout `tree`."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("PREFECT_API_URL", None)  # each command starts its own temporary server, as a user's does
     for name in ("FORCE_COLOR", "TTY_COMPATIBLE"):  # rich would draw its live bar and print no progress lines
         env.pop(name, None)
+    return env
+
+
+def timed_train(tree: Path, config: str, run_id: str) -> dict:
+    """Run `lockstep train config -o run.run_id=run_id` from checkout `tree` in its own process group; the seconds from
+    its launch to its first line, to its `run R: initial held-out accuracy` line and to its exit, and the seconds of
+    its first two iterations."""
+    env = _command_env(tree)
     t0 = time.perf_counter()
     p = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "train", config, "-o", f"run.run_id={run_id}"],
@@ -100,8 +106,7 @@ def timed_train(tree: Path, config: str, run_id: str) -> dict:
 def timed_replay(tree: Path, lake: str, run_id: str) -> dict:
     """From checkout `tree`, the wall seconds of `lockstep replay run_id --to run_id` (refused: exit 2) and of
     `lockstep replay run_id` (exit 0)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    env.pop("PREFECT_API_URL", None)  # a temporary server, as a user's command starts
+    env = _command_env(tree)
     out = {}
     for name, extra, expected in (("replay_refused_s", ["--to", run_id], 2), ("replay_s", [], 0)):
         t0 = time.perf_counter()

@@ -368,7 +368,7 @@ def _run_created(lake_uri: str, run_id: str) -> bool:
 
     try:
         lake = Lake(lake_uri)
-        return lake.fs.exists(f"{lake.run_dir(run_id)}/config.json")
+        return lake.fs.exists(lake.config_file(run_id))
     except Exception:  # an unreachable store, an id the lake refuses: the stop's message must still be printed
         return True
 
@@ -385,7 +385,7 @@ def _frozen_setting(lake, config_path: str, section: str, field: str):
 
 def _run_config_path(lake, run_id: str) -> str:
     """The frozen config of a run, which every run in a lake has from its start; FileNotFoundError if absent."""
-    path = f"{lake.run_dir(run_id)}/config.json"  # run_dir validates the id (ValueError)
+    path = lake.config_file(run_id)  # run_dir validates the id (ValueError)
     if not lake.fs.exists(path):
         if lake.is_local and not lake.fs.isdir(lake.root):  # (a file there was refused by check_reachable)
             raise FileNotFoundError(f"lake {lake.uri} does not exist (no folder {lake.root}); give the lake's folder")

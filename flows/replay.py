@@ -72,7 +72,7 @@ def _replay(run_id: str, lake: Lake, to_run_id: str | None = None) -> list[dict]
 
     from models.tiny import load_hf
 
-    cfg = frozen_config(read_json(lake, f"{lake.run_dir(run_id)}/config.json"))
+    cfg = frozen_config(read_json(lake, lake.config_file(run_id)))
     torch.set_num_threads(cfg.resources.train_threads)
     v0 = lake.checkpoint_dir(run_id, 0)
     with tempfile.TemporaryDirectory(prefix=scratch.prefix("v0")) as copies:  # an object-store lake's v0, once loaded
@@ -88,9 +88,7 @@ def _replay_versions(trainer, cfg, lake: Lake, run_id: str, tokenizer, to_run_id
     if to_run_id:
         new_cfg = cfg.model_copy(deep=True)
         new_cfg.run.run_id = to_run_id
-        atomic_write_bytes(
-            lake, to_run_id, f"{lake.run_dir(to_run_id)}/config.json", new_cfg.model_dump_json(indent=2).encode()
-        )
+        atomic_write_bytes(lake, to_run_id, lake.config_file(to_run_id), new_cfg.model_dump_json(indent=2).encode())
         checkpoints.save_checkpoint(lake, to_run_id, 0, trainer.model, tokenizer, trainer.optimizer)
         checkpoints.promote(lake, to_run_id, 0)
     records = ledger.read_all(lake, run_id)

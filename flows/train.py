@@ -320,7 +320,7 @@ def _retry_resumes(cfg: Config, flow_run_id: str | None) -> bool:
         with get_client(sync_client=True) as client:
             run_id = client.read_flow_run(UUID(flow_run_id)).name
     lake = Lake(cfg.lake.uri)
-    if run_id is None or not RUN_ID_RE.fullmatch(run_id) or not lake.fs.exists(f"{lake.run_dir(run_id)}/config.json"):
+    if run_id is None or not RUN_ID_RE.fullmatch(run_id) or not lake.fs.exists(lake.config_file(run_id)):
         return False  # it failed before the run was written (a name Prefect made up is no run of the lake)
     cfg.run.run_id = run_id
     return True

@@ -160,6 +160,10 @@ class Lake:
     def checkpoint_dir(self, run_id: str, version: int) -> str:
         return f"{self.run_dir(run_id)}/checkpoints/v{version:06d}"
 
+    def config_file(self, run_id: str) -> str:
+        """The run's frozen config, written as the run starts: a run of the lake is a folder that has one."""
+        return f"{self.run_dir(run_id)}/config.json"
+
     def promoted_file(self, run_id: str) -> str:
         return f"{self.run_dir(run_id)}/checkpoints/PROMOTED"
 

@@ -221,10 +221,10 @@ def check_replayable(lake: Lake, run_id: str, to_run_id: str | None = None) -> N
     imports the flow or starts Prefect, the flow again, and once more under the target's lease)."""
     from storage import checkpoints, lease
 
-    if to_run_id is not None and (to_run_id == run_id or lease.other_entries(lake, to_run_id)):
-        raise replay_target_exists(lake, to_run_id)
-    if to_run_id is not None:  # held by a `train` that has not written its config yet
-        lease.check_free(lake, to_run_id, "replay")
+    if to_run_id is not None:
+        if to_run_id == run_id or lease.other_entries(lake, to_run_id):
+            raise replay_target_exists(lake, to_run_id)
+        lease.check_free(lake, to_run_id, "replay")  # held by a `train` that has not written its config yet
     if checkpoints.promoted_version(lake, run_id) is None:
         raise FileNotFoundError(
             f"run {run_id} has no promoted version in {lake.uri} yet (v0 is promoted once its "
@@ -247,10 +247,6 @@ def replay_target_exists(lake: Lake, to_run_id: str) -> FileExistsError:
 class RunExistsError(RuntimeError):
     """A `train` of a run id the lake has already: the one `run.run_id` names, or every name tried for a run named by
     its start time."""
-
-
-def run_config_path(lake: Lake, run_id: str) -> str:
-    return f"{lake.run_dir(run_id)}/config.json"
 
 
 def run_exists_error(cfg: Config, run_id: str, lake: Lake, ask_holder: bool = True) -> RunExistsError:
@@ -288,5 +284,5 @@ def check_run_free(cfg: Config, resume: bool) -> None:
     lake = Lake(cfg.lake.uri)
     if resume:
         lease.check_free(lake, run_id, "resume")
-    elif lake.fs.exists(run_config_path(lake, run_id)):
+    elif lake.fs.exists(lake.config_file(run_id)):
         raise run_exists_error(cfg, run_id, lake)

@@ -46,8 +46,8 @@ from tasks.preflight import (
     RunExistsError,
     check_backend,
     check_inputs,
+    check_run_free,
     check_tracking,
-    run_config_path,
     run_exists_error,
 )
 from tasks.train_ranks import DataParallelTrainer
@@ -485,18 +485,17 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
     lake = Lake(cfg.lake.uri)
     torch.set_num_threads(cfg.resources.train_threads)
     check_tracking(cfg)  # before the run is written and the bootstrap's minutes are spent
-    if resume and not lake.fs.exists(run_config_path(lake, base_id)):
+    if resume and not lake.fs.exists(lake.config_file(base_id)):
         raise FileNotFoundError(
-            f"no run {base_id} in {cfg.lake.uri} to resume ({run_config_path(lake, base_id)} is missing)"
+            f"no run {base_id} in {cfg.lake.uri} to resume ({lake.config_file(base_id)} is missing)"
         )
-    if not resume and not auto_id and lake.fs.exists(run_config_path(lake, base_id)):
-        raise run_exists_error(cfg, base_id, lake)
     if not resume:
+        check_run_free(cfg, resume)  # a run.run_id the lake has: refused as the CLI refuses it
         check_inputs(cfg)  # a model or dataset that cannot be read fails here, before the run exists
         check_task(cfg)
     candidates = (base_id if n == 1 else f"{base_id}-{n}" for n in range(1, MAX_DEFAULT_ID_TRIES + 1))
     for run_id in map(validate_run_id, candidates) if auto_id else [base_id]:
-        if auto_id and lake.fs.exists(run_config_path(lake, run_id)):
+        if auto_id and lake.fs.exists(lake.config_file(run_id)):
             continue
         try:
             held = lease.acquire(lake, run_id, "resume" if resume else "train")  # before anything of it is touched
@@ -504,7 +503,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
             if auto_id:  # another run of the same second is being created under this name
                 continue
             raise
-        if resume or not lake.fs.exists(run_config_path(lake, run_id)):
+        if resume or not lake.fs.exists(lake.config_file(run_id)):
             break
         held.release()  # a `lockstep train` of the same run id ended while this one checked
         if not auto_id:
@@ -533,7 +532,7 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
         if lake.fs.exists(tmp_dir):  # leftovers of writes cut short by the crash; never read by anyone
             lake.fs.rm(tmp_dir, recursive=True)
     else:
-        atomic_write_bytes(lake, run_id, run_config_path(lake, run_id), resolved_json(cfg).encode())
+        atomic_write_bytes(lake, run_id, lake.config_file(run_id), resolved_json(cfg).encode())
 
     torch.set_num_threads(os.cpu_count() or 1)  # no rollout worker runs yet: the bootstrap may use every core
     v0_dir, cached = bootstrap_v0(cfg, lake, on_progress)
