@@ -35,6 +35,7 @@ __all__ = [
     "masked_mean",
     "overlong_penalty",
     "policy_loss",
+    "prox_error_ratios",
     "proximal_logprobs",
     "staleness_alpha",
     "trust_region_agreement",
@@ -588,11 +589,12 @@ def proximal_logprobs(
 
     behavior_logp, current_logp, token_versions, mask, recomputed_logp: (B, T). Returns prox log-probs (B, T),
     detached, and metrics ``staleness/mean``, ``staleness/max``, ``prox/alpha_mean``; when ``recomputed_logp`` is
-    given to an approximating kind, also ``prox/abs_err`` (mean |approx - recomputed|), ``prox/rel_err``
-    (sum |approx - recomputed| / sum |recomputed|), ``prox/gap_ratio`` (sum |approx - recomputed| /
-    sum |recomputed - behavior|: 1 means no better than using pi_b, 0 exact) and ``prox/is_weight_err``
-    (mean |exp(approx - b) - exp(recomputed - b)|), all over mask tokens, ``recomputed`` standing for the
-    recompute kind's proximal log-probs (behaviour where d <= 1).
+    given to an approximating kind, also ``prox/abs_err`` (mean |approx - recomputed|), ``prox/ref_abs`` (mean
+    |recomputed|), ``prox/gap_abs`` (mean |recomputed - behavior|), ``prox/is_weight_err`` (mean |exp(approx - b) -
+    exp(recomputed - b)|), all over mask tokens, ``recomputed`` standing for the recompute kind's proximal log-probs
+    (behaviour where d <= 1), and the ratios of `prox_error_ratios`. The means are per token, so that token-weighted
+    averages over micro-batches stay exact; the ratios are not: over several micro-batches, take them of the averaged
+    means.
     """
     _check_shape(
         behavior_logp.shape,
@@ -636,13 +638,26 @@ def proximal_logprobs(
         ref = torch.where(m & (alpha > 0), recomputed_logp.detach(), b)  # (B, T) the recompute kind's prox
         err = torch.where(m, (prox - ref).abs(), 0.0)  # (B, T)
         n = m.sum().clamp(min=1)
-        tiny = torch.finfo(b.dtype).tiny
         metrics["prox/abs_err"] = err.sum() / n
-        metrics["prox/rel_err"] = err.sum() / torch.where(m, ref.abs(), 0.0).sum().clamp(min=tiny)
-        metrics["prox/gap_ratio"] = err.sum() / torch.where(m, (ref - b).abs(), 0.0).sum().clamp(min=tiny)
+        metrics["prox/ref_abs"] = torch.where(m, ref.abs(), 0.0).sum() / n
+        metrics["prox/gap_abs"] = torch.where(m, (ref - b).abs(), 0.0).sum() / n
+        metrics |= prox_error_ratios(metrics["prox/abs_err"], metrics["prox/ref_abs"], metrics["prox/gap_abs"], "prox/")
         w_err = (torch.exp(prox - b) - torch.exp(ref - b)).abs()  # (B, T)
         metrics["prox/is_weight_err"] = torch.where(m, w_err, 0.0).sum() / n
     return prox, _floats(metrics)
+
+
+def prox_error_ratios(abs_err: float | Tensor, ref_abs: float | Tensor, gap_abs: float | Tensor, prefix: str) -> dict:
+    """The proximal approximation's relative errors from its per-token means (`proximal_logprobs`): ``rel_err`` =
+    sum |approx - recomputed| / sum |recomputed| and ``gap_ratio`` = sum |approx - recomputed| / sum |recomputed -
+    behavior| (1: no better than using pi_b, 0: exact), keyed ``prefix + name``. Means over the same tokens, so
+    their ratios are the ratios of the sums; a zero denominator (no token two or more versions behind, so no
+    error either) gives 0."""
+    tiny = torch.finfo(torch.float32).tiny
+    return {
+        f"{prefix}rel_err": abs_err / max(float(ref_abs), tiny),
+        f"{prefix}gap_ratio": abs_err / max(float(gap_abs), tiny),
+    }
 
 
 def trust_region_agreement(

@@ -274,7 +274,10 @@ class PolicyTrainer:
 
         with torch.no_grad():
             ntok = float(mask.sum())
-            entropy = objectives.masked_mean(objectives.entropy_from_logits(logits.detach()), mask)
+            # of the policy sampled and trained: softmax(logits / T), as token_logprobs takes it
+            entropy = objectives.masked_mean(
+                objectives.entropy_from_logits(logits.detach().float() / s.temperature), mask
+            )
             mismatch = objectives.masked_mean((logp.detach() - behavior).abs(), mask)
             self._denominator += denominator
             self._tokens += ntok
@@ -336,7 +339,11 @@ class PolicyTrainer:
                 approx_prox, m = objectives.proximal_logprobs(
                     behavior, logp, token_versions, version, mask, approx, recomputed
                 )
-                m = {k[5:]: v for k, v in m.items() if k.startswith("prox/") and k != "prox/alpha_mean"}
+                m = {  # per-token means only: the ratios are taken of the batch's means (optimizer_step)
+                    k[5:]: v
+                    for k, v in m.items()
+                    if k.startswith("prox/") and k not in ("prox/alpha_mean", "prox/rel_err", "prox/gap_ratio")
+                }
                 m.update(objectives.trust_region_agreement(logp, approx_prox, prox, behavior, adv, mask, **loss_kwargs))
                 extra.update({f"prox/{approx}/{k}": v for k, v in m.items()})
             # the baseline an approximation's trust region is measured against: none at all (pi_prox = pi_theta, so
@@ -409,5 +416,8 @@ class PolicyTrainer:
                 token_keys += [k for k in self._sums if k.startswith("prox/")]
                 figures["is_weight/max"] = self._maxes.get("is_weight/max", 1.0)
             figures.update({k: self._sums[k] / tok for k in token_keys})
+            for head in [k[: -len("/ref_abs")] for k in figures if k.endswith("/ref_abs")]:  # metrics mode's ratios
+                means = (figures[f"{head}/abs_err"], figures.pop(f"{head}/ref_abs"), figures.pop(f"{head}/gap_abs"))
+                figures |= objectives.prox_error_ratios(*means, prefix=f"{head}/")
         self._reset_accumulators()
         return figures

@@ -5,6 +5,8 @@ Also the shared-prompt fallback counter: a micro-batch where sharing saves nothi
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -289,6 +291,61 @@ def test_metrics_mode_logs_exactly_the_approximation_figures(models):
         *(f"prox/no_clip/{k}" for k in agreement),
     }
     assert figures["prox/alpha_mean"] == pytest.approx(0.5)  # every token 2 versions behind
+
+
+def test_metrics_mode_error_ratios_do_not_depend_on_the_micro_batch_split(models):
+    """`prox/*/rel_err` and `prox/*/gap_ratio` are ratios of sums over the batch's tokens: one micro-step of a stale
+    and an on-policy batch gives the figures of two micro-steps of the same groups, and both equal the ratios taken
+    by hand over all the tokens. (Averaged per micro-step, the on-policy one, with no gap, halved the gap ratio.)"""
+    policy, previous = models
+    stale = _stale_groups(policy, token_version=0, noise=0.3, seed=4)  # trained at version 3: d = 3
+    fresh = _stale_groups(policy, token_version=3, noise=0.3, seed=5)  # d = 0: pi_prox = pi_b, no error, no gap
+    figures = []
+    for split in ([stale + fresh], [stale, fresh], [fresh, stale]):
+        trainer = _decoupled_trainer(copy.deepcopy(policy), "metrics", previous, 2)  # each from the same weights
+        for groups in split:
+            trainer.micro_step(groups, version=3)
+        figures.append(trainer.optimizer_step())
+    # by hand over every token: loglinear's prox at d = 3 is b + 2/3 (cur - b), the recomputed one prev's log-probs
+    cur, m = _logprobs(policy, stale)
+    prev, _ = _logprobs(previous, stale)
+    b = torch.zeros_like(cur)
+    rows = iter(range(cur.shape[0]))
+    for g in stale:
+        for j, r in enumerate(g.responses):
+            b[next(rows), : len(r)] = torch.tensor(g.behavior_logprobs[j])
+    m = m.bool()
+    err = ((b + 2 / 3 * (cur - b)) - prev).abs()[m].sum()
+    fresh_ref = sum(abs(x) for g in fresh for lp in g.behavior_logprobs for x in lp)  # |recomputed| = |b| at d = 0
+    want_rel = float(err / (prev.abs()[m].sum() + fresh_ref))
+    want_gap = float(err / (prev - b).abs()[m].sum())
+    for f in figures:
+        assert f["prox/loglinear/rel_err"] == pytest.approx(want_rel, rel=1e-4)
+        assert f["prox/loglinear/gap_ratio"] == pytest.approx(want_gap, rel=1e-4)
+        assert "prox/loglinear/ref_abs" not in f and "prox/loglinear/gap_abs" not in f  # the means behind them
+    assert 0.05 < want_gap < 0.95  # an approximation that is neither exact nor pi_b
+
+
+def test_entropy_is_that_of_the_policy_at_the_sampling_temperature(models):
+    """`entropy/mean` is the mean entropy of softmax(logits / T) over the response tokens: the policy that is
+    sampled and trained (token_logprobs), not the raw logits' softmax."""
+    from models.packing import Group, pack, packed_logits
+
+    policy, _ = models
+    groups = _groups(2, 4, 12, seed=6)
+    trainer = PolicyTrainer(policy, None, lr=1e-2, pad_token_id=PAD, loss=LossSettings(temperature=0.25))
+    packed = pack([Group(g.prompt_ids, g.responses) for g in groups], PAD, False)
+    with torch.no_grad():
+        logits = packed_logits(policy, packed)
+    trainer.micro_step(groups)
+    got = trainer.optimizer_step()["entropy/mean"]
+    m = packed.mask.bool()
+    at_t, at_1 = (
+        objectives.entropy_from_logits(logits / 0.25)[m].mean(),
+        objectives.entropy_from_logits(logits)[m].mean(),
+    )
+    assert got == pytest.approx(float(at_t), rel=1e-5)
+    assert float(at_1 - at_t) > 0.1  # the temperature matters here (the untrained model is nearly uniform)
 
 
 def test_the_proximal_pass_uses_the_sampling_temperature(models, monkeypatch):
