@@ -84,6 +84,15 @@ class RunSection(_Section):
     )
     iterations: int = Field(40, ge=1, le=100_000, description="RL iterations (optimizer steps) to run.")
 
+    @field_validator("name", "run_id")
+    @classmethod
+    def _no_parent_step(cls, v: str | None) -> str | None:
+        if v is not None and ".." in v:  # storage.lake.validate_run_id's rule, which the patterns cannot say
+            raise ValueError(
+                "'..' is not allowed in run ids, which name folders of the lake (nor in run.name, their prefix)"
+            )
+        return v
+
 
 class LakeSection(_Section):
     uri: str = Field("./lake", min_length=1, description="fsspec URL of the lake: a path, file://, s3://, memory://…")
@@ -149,7 +158,11 @@ class DatasetSection(_Section):
     def _template(cls, template: str) -> str:
         try:
             ok = template.format(question="\0") != template.format(question="")
-        except (KeyError, IndexError, ValueError, AttributeError, TypeError):  # {x}, {0}, {:q}, {question.a}
+        except KeyError as e:  # {answer}: a field the template may not name
+            raise ValueError(
+                f"names {{{e.args[0]}}}, but only {{question}} is filled in; write literal braces as {{{{ }}}}"
+            ) from None
+        except (IndexError, ValueError, AttributeError, TypeError):  # {0}, {:q}, {question.a}
             ok = False
         if not ok:
             raise ValueError("must contain {question}; write literal braces as {{ }}")
@@ -452,12 +465,21 @@ class Config(_Section):
                     "algorithm.ppo_mini_batches > 1 applies to modes sync and periodic; async mode's "
                     "decoupled loss takes its old policy from prox_logp: set ppo_mini_batches to 1"
                 )
-            if self.rollout.top_p < 1.0:
-                raise ValueError(
-                    "algorithm.ppo_mini_batches > 1 clips later mini-batches against the behaviour "
-                    "log-probs, which are the policy's only without nucleus truncation: set "
-                    "rollout.top_p to 1.0 or ppo_mini_batches to 1"
+        if self.rollout.top_p < 1.0 and (m > 1 or self.pipeline.mode == "async"):
+            # the engine's log-probs are those of the truncated, renormalised distribution; the trainer's policy is
+            # the whole softmax: an on-policy token's ratio pi_theta / pi_b is its nucleus mass, not 1
+            user, other = (
+                ("algorithm.ppo_mini_batches > 1 clips later mini-batches", "ppo_mini_batches to 1")
+                if m > 1
+                else (
+                    "pipeline.mode async anchors its proximal policy and importance weights",
+                    "pipeline.mode to periodic",
                 )
+            )
+            raise ValueError(
+                f"{user} on the behaviour log-probs, which are the policy's only without nucleus truncation "
+                f"(rollout.top_p={self.rollout.top_p}): set rollout.top_p to 1.0 or {other}"
+            )
         return self
 
 
@@ -526,6 +548,11 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+        if raw.count("#") > repr(value).count("#"):  # ` #...` unquoted is a YAML comment: silently cut off
+            raise ConfigError(
+                f"override {item!r}: YAML reads ' #' and what follows as a comment, so the value would be "
+                f"{value!r}: quote it (-o \"{key}='{raw}'\") or drop the comment"
+            )
         out.append((key.strip(), value))
     return out
 
@@ -719,6 +746,24 @@ _INERT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[Config], str | None]],
         "task",
         ("partial_credit",),
         lambda c: "task.reward is 'math_verify'" if c.task.reward == "math_verify" else None,
+    ),
+    (
+        "task",
+        ("split_seed",),  # tasks.session._dataset_prompts
+        lambda c: (
+            "task.dataset.eval_uri is set: the held-out prompts are its rows, not a split of task.dataset.uri"
+            if c.task.kind == "dataset" and c.task.dataset is not None and c.task.dataset.eval_uri
+            else None
+        ),
+    ),
+    (
+        "train",
+        ("skip_zero_advantage",),  # models.trainer: a group is skipped only without a KL term
+        lambda c: (
+            f"algorithm.kl_coef is {c.algorithm.kl_coef}: the KL term has a gradient in every group, so none is skipped"
+            if c.algorithm.kl_coef > 0
+            else None
+        ),
     ),
 )
 

@@ -719,6 +719,16 @@ def cmd_serve(args) -> int:
         check_backend(cfg)  # first, as in train and open_session: a missing extra is the first thing to install
         check_inputs(cfg)
         _refuse_memory(Lake(cfg.lake.uri))
+        if args.cron is not None:  # Prefect refused it only once the deployment was being published: a traceback
+            from prefect.client.schemas.schedules import CronSchedule
+
+            try:
+                CronSchedule(cron=args.cron)
+            except ValueError:
+                raise ConfigError(
+                    f"--cron {args.cron!r} is not a cron schedule: give five fields (minute hour day-of-month "
+                    "month day-of-week), e.g. --cron '0 3 * * *' for 03:00 every day"
+                ) from None
         if not PREFECT_API_URL.value():
             print(
                 "error: lockstep serve needs a Prefect server: run `make services`, then "

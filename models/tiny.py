@@ -198,11 +198,51 @@ def check_model_dir(path: str | Path) -> None:
     larger than the embedding."""
     path = Path(path)
     config = _check_model_files(path)
+    _check_architecture(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise ModelDirError(f"{path}: the tokenizer does not load ({e})") from None
+    except Exception as e:  # OSError, ValueError; a tokenizer.json of `{}`: KeyError
+        raise ModelDirError(f"{path}: the tokenizer does not load ({type(e).__name__}: {e})") from None
     _check_tokenizer(path, config, tokenizer)
+
+
+def _check_architecture(path: Path) -> None:
+    """config.json builds a causal LM (on the meta device: no memory, no weights read) whose tensors the safetensors
+    files hold, at the same shapes. An unknown `model_type`, a setting transformers refuses, weights of another size
+    or of another architecture (none of the model's tensors in the files: from_pretrained would start them all at
+    random) are named here; the run failed on them after its config was frozen. Tensors under other names are left
+    to from_pretrained, which renames some (its conversion of older checkpoints, fused experts) and ignores others."""
+    from transformers import AutoConfig
+
+    config_file = path / "config.json"
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # ValueError (unknown model_type), AttributeError (a dtype torch lacks), ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelDirError(
+            f"{config_file} does not build a causal language model ({type(e).__name__}: {first}); give a "
+            "directory saved by save_pretrained from a causal LM"
+        ) from None
+    expected = {key: list(t.shape) for key, t in model.state_dict().items()}
+    found: dict[str, list[int]] = {}
+    for weights in sorted(path.glob("*.safetensors")):  # pytorch_model*.bin is a pickle: not opened before loading
+        with safe_open(str(weights), framework="pt") as f:
+            for key in f.keys():
+                found[key] = list(f.get_slice(key).get_shape())
+                if key in expected and found[key] != expected[key]:
+                    raise ModelDirError(
+                        f"{weights}: tensor {key} has shape {found[key]} where {config_file} makes it "
+                        f"{expected[key]}: the weights and the config are of different models; save both with "
+                        "save_pretrained"
+                    )
+    if found and not set(expected) & set(found):
+        raise ModelDirError(
+            f"{path}: none of the {len(expected)} tensors of the {type(model).__name__} that {config_file} "
+            f"describes is in its weights (it expects {sorted(expected)[:2]}, the files hold {sorted(found)[:2]}): "
+            "the weights are of another architecture; save the model and its config together with save_pretrained"
+        )
 
 
 def load_hf(path: str | Path, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):

@@ -262,10 +262,17 @@ def promoted_version(lake: Lake, run_id: str) -> int | None:
     return version
 
 
-def load_weights(lake: Lake, path: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's state dict, read through fsspec (any filesystem), without pickle."""
-    with lake.fs.open(f"{path}/{WEIGHTS}", "rb") as f:
-        return st_load(f.read())
+def load_weights(lake: Lake, path: str, *, checked: bool = True) -> dict[str, torch.Tensor]:
+    """The checkpoint's state dict, read through fsspec (any filesystem), without pickle; its bytes are checked
+    against the manifest, so a file damaged since its promotion is named (CheckpointError), not loaded. `checked=False`
+    reads the file as it is, for a caller whose comparison of the weights is itself the check (replay)."""
+    if not checked:
+        with lake.fs.open(f"{path}/{WEIGHTS}", "rb") as f:
+            return st_load(f.read())
+    manifest = _read_manifest(lake.fs, path)
+    if WEIGHTS not in manifest:
+        raise CheckpointError(f"checkpoint {path} does not list {WEIGHTS} in its MANIFEST.json")
+    return st_load(_read_checked(lake.fs, path, WEIGHTS, manifest[WEIGHTS]))
 
 
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -333,8 +340,8 @@ def retain_optimizer_state(lake: Lake, run_id: str, version: int, keep: int) -> 
 
 
 def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
-    """A local directory with the checkpoint's model files (the path itself on a local lake), for
-    `from_pretrained` and vLLM.
+    """A local directory with the checkpoint's model files (the path itself on a local lake, its model files checked
+    against the manifest first), for `from_pretrained` and vLLM.
 
     Only the Hugging Face files are copied, not `trainer_state/` (2/3 of a checkpoint with AdamW's moments, and the
     part a later promotion may prune while a worker copies), each checked against the manifest read first as it
@@ -342,7 +349,9 @@ def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
     manifest, so a re-created run or another lake never reuses it, and is written into a private folder and only
     then renamed into place: a download cut short (a killed process) or two processes copying at once never leave
     a partial copy to be loaded."""
-    if lake.is_local:
+    if lake.is_local:  # loaded where it is, once its model files are checked against the manifest
+        for rel, digest in _model_files(_read_manifest(lake.fs, path)):
+            _read_checked(lake.fs, path, rel, digest)
         return path
     try:
         manifest_bytes = lake.fs.cat_file(f"{path}/MANIFEST.json")
@@ -372,13 +381,16 @@ def _copy_model_files(fs, path: str, manifest: dict[str, str], out: Path) -> dic
     against `manifest` as it is copied (the bytes checked are the bytes written: a file changed between a check
     and a copy cannot slip through, and a remote lake is read once); returns their manifest entries."""
     copied = {}
-    for rel, digest in manifest.items():
-        if rel.startswith("trainer_state/"):
-            continue
+    for rel, digest in _model_files(manifest):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(_read_checked(fs, path, rel, digest))
         copied[rel] = digest
     return copied
+
+
+def _model_files(manifest: dict[str, str]) -> list[tuple[str, str]]:
+    """The manifest's entries of the Hugging Face files: all but `trainer_state/`."""
+    return [(rel, digest) for rel, digest in manifest.items() if not rel.startswith("trainer_state/")]
 
 
 def export_hf(lake: Lake, path: str, out_dir: str) -> str:

@@ -111,6 +111,8 @@ def _rows(uri: str, fmt: Format, split: str):
     if fmt == "jsonl":
         with _open(uri, fmt) as f:
             for i, raw in enumerate(f):
+                if i == 0 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (Windows tools write one)
+                    raw = raw[3:]  # opens the file, not its first row
                 if not raw.strip():
                     continue
                 try:
@@ -215,6 +217,16 @@ def load_prompts(
         report.kept += 1
         if limit is not None and len(records) >= limit:
             break
+    if not records and report.rows == 0:  # nothing to blame the fields for
+        raise DatasetError(
+            f"{uri}: no rows: the file is empty (or blank lines only); give a file with one JSON object per line "
+            "(JSONL), or a Parquet file"
+        )
+    if not records and set(report.skipped) == {"not JSON"}:
+        raise DatasetError(
+            f"{uri}: no usable rows ({report.summary()}): no line is a JSON object, so it is not JSONL (a JSON "
+            "array or a pretty-printed file is not read); write one JSON object per line"
+        )
     if not records:
         raise DatasetError(
             f"{uri}: no usable rows ({report.summary()}); the fields read are task.dataset.question_field="

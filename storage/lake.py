@@ -58,7 +58,9 @@ def _check_local_folder(uri: str, root: str) -> None:
 
 def check_lake_url(uri: str) -> None:
     """Every protocol of `uri` (chained URLs too, `simplecache::s3://...`) has an importable fsspec filesystem;
-    nothing is opened or contacted."""
+    nothing is opened or contacted. An empty one is refused: it would name the working directory."""
+    if not uri.strip():
+        raise LakeURLError("the lake is an empty string: give a local directory (e.g. ./lake) or an fsspec URL")
     for part in uri.split("::"):
         protocol, _ = fsspec.core.split_protocol(part)
         try:
@@ -68,6 +70,11 @@ def check_lake_url(uri: str) -> None:
                 f"lake {uri!r}: {e}; give a local directory or an fsspec URL whose filesystem is "
                 "installed (s3:// needs s3fs, gs:// gcsfs, az:// adlfs)"
             ) from None
+
+
+def _first(protocol: str | tuple[str, ...]) -> str:
+    """A filesystem's protocol, by its first name where it has several (s3fs: ("s3", "s3a"))."""
+    return protocol if isinstance(protocol, str) else protocol[0]
 
 
 @dataclass(frozen=True)
@@ -82,8 +89,14 @@ class Lake:
     # Parsed once per Lake: `url_to_fs` took ~25 us a call, and the watcher and every path helper ask for these.
     @functools.cached_property
     def fs(self) -> fsspec.AbstractFileSystem:
+        """The filesystem the lake is read and written through. A chained URL's read cache is kept in front of an
+        object store only: a local disk or memory store gains nothing from it, and files the lake rewrites there
+        (the ledger, PROMOTED) are published by a rename that bypasses it, so it would serve their old copies."""
         fs, _ = fsspec.core.url_to_fs(self.uri)
-        return fs
+        store = fs
+        while isinstance(store, CachingFileSystem):
+            store = store.fs
+        return fs if _first(store.protocol) in OBJECT_STORES else store
 
     @functools.cached_property
     def root(self) -> str:
@@ -101,8 +114,7 @@ class Lake:
     @property
     def protocol(self) -> str:
         """The store's protocol: "file", "memory", "s3"..."""
-        protocol = self.store.protocol
-        return protocol if isinstance(protocol, str) else protocol[0]
+        return _first(self.store.protocol)
 
     @property
     def is_local(self) -> bool:

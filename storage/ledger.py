@@ -51,20 +51,33 @@ def annotate(lake: Lake, run_id: str, iteration: int, **fields) -> dict:
     return record
 
 
-def _read(lake: Lake, path: str) -> dict:
+def _read(lake: Lake, run_id: str, path: str) -> dict:
+    """A record, its shards' paths in `lake` (`shard_path`)."""
     record = read_json(lake, path)
     if not isinstance(record, dict) or "state" not in record:
         raise ValueError(f"{path} is not a ledger record (a JSON object with a 'state')")
+    for shard in record.get("shards") or ():
+        shard["path"] = shard_path(lake, run_id, shard["path"])
     return record
+
+
+def shard_path(lake: Lake, run_id: str, recorded: str) -> str:
+    """Where a shard the ledger records lies in `lake`. A record holds the path the shard was written to, in the lake
+    as it was named then: re-rooted at the run's folder, a lake that was moved, copied or is named by another URL
+    reads its own shards, never those of the place it came from (a copy's replay read the original's). A path
+    outside `runs/{run_id}/rollouts/` is returned as it is (its read names it)."""
+    marker = f"/runs/{run_id}/rollouts/"
+    _, found, rest = recorded.rpartition(marker)
+    return f"{lake.run_dir(run_id)}/rollouts/{rest}" if found else recorded
 
 
 def read_record(lake: Lake, run_id: str, iteration: int) -> dict | None:
     path = lake.ledger_file(run_id, iteration)
-    return _read(lake, path) if lake.fs.exists(path) else None
+    return _read(lake, run_id, path) if lake.fs.exists(path) else None
 
 
 def read_all(lake: Lake, run_id: str) -> list[dict]:
     d = f"{lake.run_dir(run_id)}/ledger"
     if not lake.fs.exists(d):
         return []
-    return [_read(lake, p) for p in sorted(lake.fs.ls(d, detail=False)) if p.endswith(".json")]
+    return [_read(lake, run_id, p) for p in sorted(lake.fs.ls(d, detail=False)) if p.endswith(".json")]

@@ -39,7 +39,21 @@ class Tracker:
     _pending: list[Future] = field(default_factory=list, repr=False)
 
     @classmethod
-    def start(cls, uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None) -> Tracker:
+    def start(
+        cls,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        tags: dict[str, str] | None = None,
+        *,
+        resume: bool = False,
+        run_key: str | None = None,
+    ) -> Tracker:
+        """The MLflow run of lockstep run `run_name`, tagged `lockstep.run_id` and `lockstep.run_key`. `run_key` tells
+        the run from another of the same name (in another lake, or before its lake was deleted): the caller gives
+        the digest of the run's frozen config. A new run always gets a new MLflow run; a resumed one continues the
+        newest MLflow run of its name and key (or of its name and no key: started before keys were tagged), or gets
+        a new one where there is none (killed before it made one)."""
         t0 = time.perf_counter()
         os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
         client = MlflowClient(tracking_uri=uri)
@@ -49,12 +63,20 @@ class Tracker:
             if exp is not None
             else client.create_experiment(experiment, artifact_location=artifact_location(uri))
         )
-        existing = client.search_runs([exp_id], filter_string=f"tags.`lockstep.run_id` = '{run_name}'", max_results=1)
-        if existing:  # a resumed run keeps logging into the same MLflow run
+        existing = []
+        if resume:  # a resumed run keeps logging into its MLflow run
+            named = client.search_runs(
+                [exp_id],
+                filter_string=f"tags.`lockstep.run_id` = '{run_name}'",
+                order_by=["attributes.start_time DESC"],
+            )
+            existing = [r for r in named if r.data.tags.get("lockstep.run_key") in (run_key, None)]
+        if existing:
             run_id = existing[0].info.run_id
             client.update_run(run_id, status="RUNNING")
         else:
-            run = client.create_run(exp_id, run_name=run_name, tags={"lockstep.run_id": run_name, **(tags or {})})
+            own = {"lockstep.run_id": run_name, **({"lockstep.run_key": run_key} if run_key else {})}
+            run = client.create_run(exp_id, run_name=run_name, tags={**own, **(tags or {})})
             run_id = run.info.run_id
         tracker = cls(client, run_id)
         tracker.seconds += time.perf_counter() - t0

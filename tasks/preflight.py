@@ -123,6 +123,7 @@ def check_backend(cfg: Config):
                 f"rollout.engine is 'vllm' but vLLM is not installed: {INSTALL}; or set rollout.engine=builtin"
             )
     device = resolve_device(cfg.trainer.device)
+    attention_kernel(cfg.train.attention, device)  # flex_attention on a CPU: refused here, not after the bootstrap
     ranks = cfg.resources.train_ranks
     if ranks > 1 and device.type != "cpu":
         import torch
@@ -134,6 +135,22 @@ def check_backend(cfg: Config):
                 f"device r): set resources.train_ranks to at most {count}"
             )
     return device
+
+
+def attention_kernel(choice: str, device) -> str:
+    """The trainer's attention implementation on `device` (a torch.device): FlexAttention block masks on CUDA where
+    available, else SDPA; InputError for a choice the device cannot train with."""
+    import importlib.util
+
+    has_flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    if choice == "auto":
+        return "flex_attention" if device.type == "cuda" and has_flex else "sdpa"
+    if choice == "flex_attention" and (device.type == "cpu" or not has_flex):
+        raise InputError(
+            f"train.attention 'flex_attention' needs a CUDA device and torch with FlexAttention (it has "
+            f"no backward pass on {device.type}); use train.attention=auto or sdpa"
+        )
+    return choice
 
 
 def check_inputs(cfg: Config) -> None:

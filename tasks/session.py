@@ -41,12 +41,13 @@ from storage import catalog, checkpoints, lease, scratch
 from storage.datasets import DatasetError
 from storage.lake import Lake, atomic_write_bytes, move_folder, validate_run_id
 from storage.tracking import Tracker
+from tasks import preflight
 from tasks.preflight import (
     InputError,
     RunExistsError,
+    attention_kernel,
     check_backend,
     check_inputs,
-    check_run_free,
     check_tracking,
     run_exists_error,
 )
@@ -237,12 +238,31 @@ def check_task(cfg: Config) -> None:
     else:
         tokenizer = build_char_tokenizer()
     try:
-        train_prompts, _, _, _ = task_prompts(cfg, tokenizer)
+        train_prompts, train_ids, _, eval_ids = task_prompts(cfg, tokenizer)
         iteration_prompt_ids(cfg, len(train_prompts), 0)
     except DatasetError:  # already names the file, the row and what to do
         raise
     except ValueError as e:
         raise InputError(str(e)) from None
+    if cfg.model.path:
+        _check_positions(cfg, max(len(i) for i in [*train_ids, *eval_ids]))
+
+
+def _check_positions(cfg: Config, longest: int) -> None:
+    """The longest prompt and its response fit the positions `model.path`'s config declares: a model with learned
+    positions (GPT-2's n_positions) failed with an IndexError in its first evaluation, after the run was written;
+    a rotary one past its max_position_embeddings runs on positions it was never trained at."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.model.path)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    if isinstance(positions, int) and longest + new > positions:
+        raise InputError(
+            f"model.path {cfg.model.path!r} takes {positions} positions, but the longest prompt has {longest} "
+            f"tokens and a response up to {new} (rollout / eval max_new_tokens): shorten the prompts (task.n_shots, "
+            "task.max_prompt_tokens) or the responses, or use a model with more positions"
+        )
 
 
 def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
@@ -415,21 +435,6 @@ def evaluate(session: RunSession) -> float:
     )
 
 
-def attention_kernel(choice: str, device: torch.device) -> str:
-    """The trainer's attention implementation: FlexAttention block masks on CUDA where available, else SDPA."""
-    import importlib.util
-
-    has_flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
-    if choice == "auto":
-        return "flex_attention" if device.type == "cuda" and has_flex else "sdpa"
-    if choice == "flex_attention" and (device.type == "cpu" or not has_flex):
-        raise ValueError(
-            f"train.attention 'flex_attention' needs a CUDA device and torch with FlexAttention (it has "
-            f"no backward pass on {device.type}); use train.attention=auto or sdpa"
-        )
-    return choice
-
-
 def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> PolicyTrainer:
     """The trainer of a config: the loss settings unpacked into plain arguments (models/ never sees a Config)."""
     model.set_attn_implementation(attention_kernel(cfg.train.attention, device))
@@ -490,7 +495,9 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
             f"no run {base_id} in {cfg.lake.uri} to resume ({lake.config_file(base_id)} is missing)"
         )
     if not resume:
-        check_run_free(cfg, resume)  # a run.run_id the lake has: refused as the CLI refuses it
+        # a run.run_id the lake has: refused as the CLI refuses it (looked up when called: a test that patches the
+        # CLI's look to reach the decision under the lease may be the one that first imports this module)
+        preflight.check_run_free(cfg, resume)
         check_inputs(cfg)  # a model or dataset that cannot be read fails here, before the run exists
         check_task(cfg)
     candidates = (base_id if n == 1 else f"{base_id}-{n}" for n in range(1, MAX_DEFAULT_ID_TRIES + 1))
@@ -533,6 +540,7 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
             lake.fs.rm(tmp_dir, recursive=True)
     else:
         atomic_write_bytes(lake, run_id, lake.config_file(run_id), resolved_json(cfg).encode())
+    run_key = hashlib.sha256(lake.fs.cat_file(lake.config_file(run_id))).hexdigest()  # of the config frozen at start
 
     torch.set_num_threads(os.cpu_count() or 1)  # no rollout worker runs yet: the bootstrap may use every core
     v0_dir, cached = bootstrap_v0(cfg, lake, on_progress)
@@ -550,13 +558,19 @@ def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resum
         version = checkpoints.promoted_version(lake, run_id)
         trainer = build_trainer(cfg, model, tokenizer, device)
         undo.callback(trainer.close)  # a data-parallel trainer's other ranks
-        session = _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached)
+        session = _open_with_trainer(
+            cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached, resume=resume, run_key=run_key
+        )
         undo.pop_all()  # opened: the session closes them
     session.local_copies = copies
     return session
 
 
-def _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached) -> RunSession:
+def _open_with_trainer(
+    cfg, lake, run_id, device, version, trainer, tokenizer, local_v0, cached, *, resume: bool, run_key: str
+) -> RunSession:
+    """The session of a run whose v0 is loaded into `trainer`; `run_key` tells its MLflow run from another of the
+    same name (`Tracker.start`)."""
     if version is None:
         checkpoints.save_checkpoint(
             lake, run_id, 0, trainer.model, tokenizer, trainer.optimizer, {"bootstrap_cached": cached}
@@ -603,6 +617,8 @@ def _open_with_trainer(cfg, lake, run_id, device, version, trainer, tokenizer, l
                 cfg.tracking.experiment or cfg.run.name,
                 run_id,
                 tags={"lockstep.mode": cfg.pipeline.mode},
+                resume=resume,
+                run_key=run_key,
             )
             undo.callback(tracker.finish, "FAILED")
             tracker.log_params(flatten(cfg))

@@ -21,6 +21,7 @@ from storage.checkpoints import (
     load_into,
     load_trainer_state,
     load_weights,
+    local_copy,
     promote,
     promoted_version,
     prune_optimizer_state,
@@ -217,6 +218,31 @@ def test_verify_detects_a_modified_file(tiny_hf, lake, victim):
     with pytest.raises(CheckpointError):
         promote(lake, RUN, 1)
     assert promoted_version(lake, RUN) is None
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "config.json"])
+def test_every_load_of_a_damaged_checkpoint_names_the_file(tiny_hf, lake, tmp_path, victim):
+    """Loads past promotion check what they load: `load_weights` (a resume's proximal weights one version back, a
+    worker's next version) and `local_copy` of a local lake (replay's v0, served as it lies) name a model file
+    damaged since the checkpoint was written; the optimizer state, which neither loads, is left to its reader."""
+    path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
+    assert set(load_weights(lake, path)) == set(tiny_hf.model.state_dict()) - {"lm_head.weight"}  # intact (tied)
+    assert local_copy(lake, path, str(tmp_path)) == path
+    f = Path(path, victim)
+    data = bytearray(f.read_bytes())
+    data[-2] ^= 0x01  # a tensor's byte, or the config's closing brace: still parses
+    f.write_bytes(bytes(data))
+    match = f"checkpoint file {path}/{victim} does not match its manifest"
+    with pytest.raises(CheckpointError, match=match):
+        local_copy(lake, path, str(tmp_path))
+    if victim == "model.safetensors":
+        with pytest.raises(CheckpointError, match=match):
+            load_weights(lake, path)
+    else:
+        load_weights(lake, path)  # the weights themselves are intact
+    Path(path, "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
+        load_weights(lake, path)
 
 
 def test_promote_refuses_incomplete_checkpoint_and_keeps_previous(tiny_hf, lake):
@@ -433,6 +459,33 @@ def test_ledger_read_all_in_order(lake):
         ledger.write_record(lake, RUN, k, "planned")
     assert [r["iteration"] for r in ledger.read_all(lake, RUN)] == [0, 1, 2]
     assert ledger.read_record(lake, RUN, 9) is None
+
+
+@pytest.mark.parametrize("how", ["copied", "moved"])
+def test_a_lake_copied_or_moved_reads_its_own_shards(tmp_path, how):
+    """A record holds the path its shards were written to: read from a copy, a replay of the copy read the original
+    lake's shards (a shard damaged in the copy went unseen), and from a moved lake it found none. Paths are re-rooted
+    at the reading lake's run folder."""
+    import shutil
+
+    from flows.replay import recorded_batch
+    from storage.shards import ShardError, write_shard
+    from tests.unit.test_shards import make_records
+
+    a = Lake(str(tmp_path / "a"))
+    name = "rollouts/policy_version=0/iter-000000/shard-0-00000.arrow"
+    checksum = write_shard(a, RUN, f"{a.run_dir(RUN)}/{name}", make_records(n_groups=2, group_size=3))
+    shards = [{"path": f"{a.run_dir(RUN)}/{name}", "checksum": checksum, "groups": 2}]
+    ledger.write_record(a, RUN, 0, "planned", shards=shards)
+    (shutil.copytree if how == "copied" else shutil.move)(tmp_path / "a", tmp_path / "b")
+    b = Lake(str(tmp_path / "b"))
+    record = ledger.read_record(b, RUN, 0)
+    assert record["shards"] == [{**shards[0], "path": f"{b.run_dir(RUN)}/{name}"}]
+    assert ledger.read_all(b, RUN) == [record]
+    assert [len(groups) for groups in recorded_batch(b, record)] == [2]
+    Path(b.run_dir(RUN), name).write_bytes(b"damaged in this lake only")
+    with pytest.raises(ShardError, match=f"shard {b.run_dir(RUN)}/{name} is unreadable"):
+        recorded_batch(b, record)
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", "", ".hidden", "..", "a..b", "x" * 129, "a b", "run\n", None, 5])

@@ -389,6 +389,17 @@ def test_a_lake_url_without_a_filesystem_is_one_error_line(argv, url, capsys, tm
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["runs"], ["resume", "r1"], ["audit", "r1"], ["export", "r1", "--out", "x"]],
+)
+def test_an_empty_lake_is_one_error_line_not_the_working_directory(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # `runs --lake ""` listed this folder's runs: "no runs in ", exit 0
+    assert cli.main([*argv, "--lake", ""]) == 2
+    assert squash("error: the lake is an empty string: give a local directory") in cli_stderr(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_train_with_a_lake_url_without_a_filesystem_exits_2_before_any_work(capsys):
     assert cli.main(["train", ARITH, "-o", "lake.uri=nosuchfs://lake"]) == 2
     assert squash("error: lake.uri: lake 'nosuchfs://lake': Protocol not known: nosuchfs;") in cli_stderr(capsys)
@@ -509,6 +520,21 @@ def test_serve_without_a_prefect_server_exits_2_before_publishing(monkeypatch, c
 
     monkeypatch.setattr(flows.train.train_flow, "serve", publish)
     assert cli.main(["serve", ARITH]) == 2
+    assert squash("needs a Prefect server") in cli_stderr(capsys)
+
+
+def test_serve_with_a_bad_cron_exits_2_before_publishing(monkeypatch, capsys):
+    import flows.train
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # the schedule is checked before the server is asked for
+
+    def publish(*args, **kwargs):
+        raise AssertionError("a bad schedule must not reach the deployment")
+
+    monkeypatch.setattr(flows.train.train_flow, "serve", publish)
+    assert cli.main(["serve", ARITH, "--cron", "not a cron"]) == 2
+    assert squash("error: --cron 'not a cron' is not a cron schedule: give five fields") in cli_stderr(capsys)
+    assert cli.main(["serve", ARITH, "--cron", "0 3 * * *"]) == 2  # a good one: on to the missing server
     assert squash("needs a Prefect server") in cli_stderr(capsys)
 
 

@@ -290,6 +290,16 @@ def test_override_with_invalid_yaml_value():
     assert "override 'task.ops=[+': value is not valid YAML" in msg
 
 
+def test_an_override_whose_yaml_comment_would_cut_the_value_is_refused():
+    """`-o "run.run_id=exp #2"` started run `exp`: YAML drops ` #2` as a comment. Refused, with the quoting that
+    keeps it; a '#' that is part of the value (no space before it, or quoted) is kept."""
+    msg = load_error(None, ["run.run_id=exp #2"])
+    assert "override 'run.run_id=exp #2': YAML reads ' #' and what follows as a comment" in msg
+    assert "the value would be 'exp': quote it (-o \"run.run_id='exp #2'\")" in msg
+    assert parse_overrides(["tracking.experiment=exp#2"]) == [("tracking.experiment", "exp#2")]
+    assert parse_overrides(["tracking.experiment='exp #2'"]) == [("tracking.experiment", "exp #2")]
+
+
 def test_override_that_fails_validation_names_the_field(tmp_path):
     p = write(tmp_path, "", "ok.yaml")
     msg = load_error(p, ["rollout.temperature=0"])
@@ -401,11 +411,13 @@ def test_cross_field_error_does_not_print_the_whole_config(tmp_path):
 
 def test_template_must_contain_question(tmp_path):
     base = "task:\n  kind: dataset\n  dataset:\n    uri: x.jsonl\n    template: "
+    for template, named in [('"{foo}"', "foo"), ('"Q: {question} A: {answer}"', "answer")]:  # another field
+        msg = load_error(write(tmp_path, base + template + "\n"))
+        expected = f"task.dataset.template: names {{{named}}}, but only {{question}} is filled in; write literal braces"
+        assert f"{expected} as {{{{ }}}} (got {template[1:-1]!r})" in msg
     for template in [
         '"hello"',
-        '"{foo}"',
         '"{0}"',
-        '"Q: {question} {x}"',
         '"Q: {question"',
         '"Q: {question.a}"',
         '"Q: {question[0]}"',
@@ -628,13 +640,24 @@ def test_gpu_config_without_vllm_fails_before_any_work(tmp_path):
 def test_attention_kernel_choice():
     import torch
 
-    from tasks.session import attention_kernel
+    from tasks.preflight import InputError, attention_kernel
 
     assert attention_kernel("auto", torch.device("cpu")) == "sdpa"
     assert attention_kernel("auto", torch.device("cuda")) == "flex_attention"  # torch 2.13 has FlexAttention
     assert attention_kernel("eager", torch.device("cpu")) == "eager"
-    with pytest.raises(ValueError, match="no backward pass on cpu"):
+    with pytest.raises(InputError, match="no backward pass on cpu"):
         attention_kernel("flex_attention", torch.device("cpu"))
+
+
+def test_flex_attention_on_a_cpu_is_refused_before_the_run_exists(tmp_path, capsys):
+    """It was refused only as the trainer was built, after the bootstrap had run and the run's config was frozen:
+    the run could never be resumed (its frozen setting refused again)."""
+    config = str(REPO / "configs" / "arith-tiny.yaml")
+    code = cli.main(["train", config, "-o", f"lake.uri={tmp_path / 'lake'}", "-o", "train.attention=flex_attention"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "error: train.attention 'flex_attention' needs a CUDA device" in " ".join(err.split())
+    assert not (tmp_path / "lake").exists()
 
 
 def test_cli_duplicate_key_and_bool_exit_2(tmp_path, capsys):
@@ -712,6 +735,9 @@ def test_run_name_length_and_run_id_first_character():
     for bad in [".hidden", "-x", "_x", "r" + "x" * 128, "../etc", "my run"]:
         assert f"run.run_id: {words}, at most 128 characters (got {bad!r})" in load_error(None, [f"run.run_id={bad}"])
     assert f"run.name: {words} (got 'my run')" in load_error(None, ["run.name=my run"])
+    # the lake's own rule past the pattern: '..' anywhere (a traceback from the CLI's look, or from the flow)
+    for field in ("run_id", "name"):
+        assert f"run.{field}: '..' is not allowed in run ids" in load_error(None, [f"run.{field}=a..b"])
 
 
 def test_iterations_must_be_at_least_one():
@@ -960,6 +986,16 @@ def test_a_frozen_config_older_than_a_field_reads_as_its_run_trained():
             ["task.reward=math_verify", "task.partial_credit=0.2"],
             "task.partial_credit is set but has no effect: task.reward is 'math_verify'",
         ),
+        (
+            ["task.kind=dataset", "task.dataset.uri=x.jsonl", "task.dataset.eval_uri=y.jsonl", "task.split_seed=7"],
+            "task.split_seed is set but has no effect: task.dataset.eval_uri is set: the held-out prompts are its "
+            "rows, not a split of task.dataset.uri",
+        ),
+        (
+            ["algorithm.kl_coef=0.1", "train.skip_zero_advantage=true"],
+            "train.skip_zero_advantage is set but has no effect: algorithm.kl_coef is 0.1: the KL term has a "
+            "gradient in every group, so none is skipped",
+        ),
     ],
 )
 def test_a_setting_the_run_will_not_read_is_named_with_why(overrides, expected):
@@ -1003,7 +1039,8 @@ def test_the_async_settings_inert_outside_async_are_each_named_once():
         ["pipeline.push_weights=false", "resources.borrow_rollout_threads=true", "pipeline.catalog_compact_every=3"],
         ["trainer.lr_schedule=cosine", "trainer.min_lr_ratio=0.1"],
         ["tracking.experiment=x", "model.tiny.hidden_size=64", "task.n_shots=2", "task.partial_credit=0.2"],
-        ["task.kind=dataset", "task.dataset.uri=x.jsonl", "data.on_bad_row=fail"],
+        ["task.kind=dataset", "task.dataset.uri=x.jsonl", "data.on_bad_row=fail", "task.split_seed=7"],
+        ["train.skip_zero_advantage=false", "task.split_seed=7"],
         # the defaults that would make a setting inert, given without the setting
         ["pipeline.mode=periodic", "algorithm.kl_coef=0", "bootstrap.steps=0", "tracking.enabled=false"],
     ],

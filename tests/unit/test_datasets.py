@@ -78,6 +78,18 @@ def test_no_usable_rows_is_an_error(tmp_path):
         load_prompts(path)
 
 
+def test_an_empty_file_or_a_json_array_is_named_as_such_not_blamed_on_the_fields(tmp_path):
+    empty = _jsonl(str(tmp_path / "e.jsonl"), [b"", b"  "])
+    with pytest.raises(DatasetError, match=r"e.jsonl: no rows: the file is empty \(or blank lines only\)"):
+        load_prompts(empty)
+    array = str(tmp_path / "a.json")
+    with open(array, "w") as f:
+        json.dump(GOOD, f, indent=2)  # what json.dump writes: an array over many lines
+    with pytest.raises(DatasetError, match="no line is a JSON object, so it is not JSONL") as e:
+        load_prompts(array)
+    assert "question_field" not in str(e.value)
+
+
 def test_no_usable_rows_names_the_fields_it_read(tmp_path):
     """A file whose rows lack the configured fields: the message names the settings to change."""
     path = _jsonl(str(tmp_path / "d.jsonl"), [json.dumps({"prompt": "1+1?", "solution": "2"}).encode()] * 3)
@@ -276,6 +288,20 @@ def test_blank_lines_are_not_rows_and_ids_stay_line_numbers(tmp_path):
     assert [r.prompt_id for r in records] == [0, 3]
     assert report.rows == report.kept == 2 and not report.skipped
     assert report.summary() == f"{tmp_path / 'd.jsonl'}: 2 of 2 rows kept; skipped: none"
+
+
+@pytest.mark.parametrize("first", ["row", "blank line"])
+def test_a_byte_order_mark_opening_the_file_is_not_part_of_its_first_row(tmp_path, first):
+    """Notepad and PowerShell write UTF-8 with a byte-order mark: the first row was "not JSON" (lost, or the whole
+    load failed with on_bad_row=fail); a mark elsewhere is a row's own bytes, reported."""
+    bom = b"\xef\xbb\xbf"
+    rows = [bom + json.dumps(GOOD[0]).encode()] if first == "row" else [bom, json.dumps(GOOD[0]).encode()]
+    records, report = load_prompts(_jsonl(str(tmp_path / "d.jsonl"), [*rows, json.dumps(GOOD[1]).encode()]))
+    assert [r.answer for r in records] == ["7", "1000"] and not report.skipped
+    assert [r.prompt_id for r in records] == ([0, 1] if first == "row" else [1, 2])
+    path = _jsonl(str(tmp_path / "e.jsonl"), [json.dumps(GOOD[0]).encode(), bom + json.dumps(GOOD[1]).encode()])
+    with pytest.raises(DatasetError, match="row 1: not JSON"):
+        load_prompts(path, on_bad_row="fail")
 
 
 def test_skip_reasons_are_counted_by_kind_with_examples_capped(tmp_path):

@@ -82,6 +82,27 @@ def test_a_chained_url_names_the_store_behind_its_cache(memory_lake):
     assert cached.url(cached.run_dir(RUN)) == f"{memory_lake.uri}/runs/{RUN}"
 
 
+@pytest.mark.parametrize("store", ["file", "memory"])
+def test_a_cache_in_front_of_a_disk_or_memory_never_serves_a_rewritten_file_stale(tmp_path, memory_lake, store):
+    """The lake publishes by renaming (`atomic_write_bytes`), which a read cache does not see: in front of a local
+    disk or memory the cache is dropped, so the ledger's and PROMOTED's rewrites are read back as written (they were
+    read back stale, and the flow's next ledger transition refused), and a local disk is still treated as one."""
+    from storage import checkpoints, ledger
+
+    base = f"file://{tmp_path / 'lake'}" if store == "file" else memory_lake.uri
+    lake = Lake(f"simplecache::{base}")
+    assert lake.is_local == (store == "file") and not lake.is_object_store
+    ledger.write_record(lake, RUN, 0, ("planned", "rolling_out"), prompt_ids=[1, 2])
+    assert ledger.read_record(lake, RUN, 0)["state"] == "rolling_out"  # read once: in a cache, were there one
+    ledger.write_record(lake, RUN, 0, "trained", shards=[])
+    assert ledger.read_record(lake, RUN, 0)["state"] == "trained"
+    ledger.write_record(lake, RUN, 0, "promoted", promoted_version=1)
+    for version in (0, 1):
+        atomic_write_json(lake, RUN, lake.promoted_file(RUN), {"version": version})
+        assert checkpoints.promoted_version(lake, RUN) == version
+    assert read_json(Lake(base), lake.ledger_file(RUN, 0))["state"] == "promoted"  # the store holds it
+
+
 def test_a_store_with_several_protocols_is_named_by_its_first():
     """s3fs answers to ('s3', 's3a'): URLs are s3://, the name every reader accepts. Nothing is contacted."""
     pytest.importorskip("s3fs")

@@ -133,7 +133,8 @@ def test_an_incomplete_batch_a_stranger_or_a_repeated_group_is_refused(setup):
     [
         (["algorithm.ppo_mini_batches=3"], "must divide rollout.prompts_per_iteration=32"),
         (["algorithm.ppo_mini_batches=2", "pipeline.mode=async"], "applies to modes sync and periodic"),
-        (["algorithm.ppo_mini_batches=2", "rollout.top_p=0.9"], "set rollout.top_p to 1.0"),
+        (["algorithm.ppo_mini_batches=2", "rollout.top_p=0.9"], "set rollout.top_p to 1.0 or ppo_mini_batches to 1"),
+        (["pipeline.mode=async", "rollout.top_p=0.9"], "set rollout.top_p to 1.0 or pipeline.mode to periodic"),
     ],
 )
 def test_bad_mini_batch_configs_are_refused(overrides, reason):

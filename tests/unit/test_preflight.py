@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from configs.schema import ConfigError, load_config, resolved_json
 from flows import cli
@@ -114,6 +115,59 @@ def test_tokenizer_larger_than_the_embedding(tmp_path):
         load_hf(d)
 
 
+def _edit_config(d: Path, **fields) -> None:
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def test_a_config_that_builds_no_model_or_another_one_than_the_weights_is_refused(model_dir, tmp_path):
+    """What from_pretrained failed on after the run's config was frozen (a traceback, the run never resumable), or
+    loaded in part, starting the rest at random: named before any work."""
+    d = broken(model_dir, tmp_path)
+    _edit_config(d, model_type="foo")
+    assert model_error(d).startswith(f"{d}/config.json does not build a causal language model (ValueError: ")
+    d = broken(model_dir, tmp_path / "dtype")
+    _edit_config(d, dtype="float99")
+    assert model_error(d).startswith(f"{d}/config.json does not build a causal language model (AttributeError: ")
+    d = broken(model_dir, tmp_path / "size")
+    _edit_config(d, hidden_size=32)
+    assert model_error(d) == (
+        f"{d}/model.safetensors: tensor model.embed_tokens.weight has shape [53, 16] where {d}/config.json makes it "
+        "[53, 32]: the weights and the config are of different models; save both with save_pretrained"
+    )
+    d = broken(model_dir, tmp_path / "arch")
+    _edit_config(d, model_type="gpt2", architectures=["GPT2LMHeadModel"])  # Qwen2 weights under a GPT-2 config
+    assert model_error(d) == (
+        f"{d}: none of the 17 tensors of the GPT2LMHeadModel that {d}/config.json describes is in its weights (it "
+        "expects ['lm_head.weight', 'transformer.h.0.attn.c_attn.bias'], the files hold ['model.embed_tokens.weight', "
+        "'model.layers.0.input_layernorm.weight']): the weights are of another architecture; save the model and its "
+        "config together with save_pretrained"
+    )
+
+
+def test_a_tokenizer_file_that_does_not_load_is_named_not_a_traceback(model_dir, tmp_path):
+    d = broken(model_dir, tmp_path)
+    (d / "tokenizer.json").write_text("{}")
+    assert model_error(d) == f"{d}: the tokenizer does not load (KeyError: 'added_tokens')"
+
+
+def test_a_model_with_fewer_positions_than_a_prompt_and_its_response_is_refused(model_dir, tmp_path):
+    """GPT-2's learned positions failed with an IndexError at the first evaluation, after the run was written."""
+    from tasks.session import check_task
+
+    d = broken(model_dir, tmp_path)
+    _edit_config(d, max_position_embeddings=64)
+    cfg = load_config(ARITH, [f"model.path={d}", "rollout.max_new_tokens=10"])
+    with pytest.raises(
+        InputError,
+        match=rf"model.path '{d}' takes 64 positions, but the longest prompt has \d+ tokens "
+        r"and a response up to 10 \(rollout / eval max_new_tokens\)",
+    ):
+        check_task(cfg)
+    _edit_config(d, max_position_embeddings=1024)
+    check_task(cfg)
+
+
 def test_check_model_dir_refuses_a_file(model_dir):
     path = model_dir / "config.json"
     with pytest.raises(ModelDirError, match="is not a directory") as e:
@@ -149,11 +203,9 @@ def test_a_tokenizer_one_token_larger_than_the_embedding_is_refused(tmp_path):
 
 def test_a_config_without_a_top_level_vocab_size_has_nothing_to_compare(model_dir, tmp_path):
     """Some multimodal configs keep vocab_size in a sub-config: the check passes instead of raising a TypeError."""
-    d = broken(model_dir, tmp_path)
-    config = json.loads((d / "config.json").read_text())
+    config = json.loads((model_dir / "config.json").read_text())
     config["text_config"] = {"vocab_size": config.pop("vocab_size")}
-    (d / "config.json").write_text(json.dumps(config))
-    check_model_dir(d)
+    _check_tokenizer(model_dir, config, AutoTokenizer.from_pretrained(str(model_dir)))  # no TypeError
 
 
 def test_load_hf_honours_dtype_and_attention_kernel(model_dir):

@@ -49,7 +49,17 @@ def opening(tmp_path, tiny_hf, monkeypatch):
 
 def _open(cfg, lake, trainer, tok, version=None):
     return session_module._open_with_trainer(
-        cfg, lake, "r1", torch.device("cpu"), version, trainer, tok, "unused-model-dir", False
+        cfg,
+        lake,
+        "r1",
+        torch.device("cpu"),
+        version,
+        trainer,
+        tok,
+        "unused-model-dir",
+        False,
+        resume=False,
+        run_key="k",
     )
 
 
@@ -139,7 +149,7 @@ def test_a_session_that_fails_to_open_closes_its_trainer_and_gives_back_the_leas
         trainer.close = lambda: closed.append(True) or real_close()
         return trainer
 
-    def fail(*args):
+    def fail(*args, **kwargs):
         raise OSError("MLflow unreachable")
 
     monkeypatch.setattr(session_module, "build_trainer", build_trainer)

@@ -265,7 +265,7 @@ def test_a_session_on_an_object_store_keeps_its_v0_copy_only_while_it_is_open(ob
 def test_a_session_that_fails_to_open_leaves_no_v0_copy(object_store_run, monkeypatch):
     cfg, temp, specs = object_store_run
 
-    def fail(*args):
+    def fail(*args, **kwargs):
         raise OSError("no space left for the shared-memory weights")
 
     monkeypatch.setattr(session_module, "_open_with_trainer", fail)

@@ -1,6 +1,6 @@
 """MLflow metrics are written on a background thread, in order; every one is there after `flush`, and a write
 that failed is raised rather than lost (by the next call, or by `finish`, which marks the run FAILED). A resumed
-run logs into its MLflow run; params are logged in full, long values cut."""
+run logs into its MLflow run, a new one of the same name never does; params are logged in full, long values cut."""
 
 from __future__ import annotations
 
@@ -56,18 +56,45 @@ def _failed_write(tracker: Tracker, client: MlflowClient) -> None:
 
 def test_resumed_run_logs_into_the_same_mlflow_run(tmp_path):
     uri = _uri(tmp_path)
-    first = Tracker.start(uri, "exp", "run-r", tags={"lockstep.mode": "periodic"})
+    first = Tracker.start(uri, "exp", "run-r", tags={"lockstep.mode": "periodic"}, run_key="k1")
     first.log_metrics({"reward/mean": 0.1}, 0)
     first.finish()
-    again = Tracker.start(uri, "exp", "run-r")
+    again = Tracker.start(uri, "exp", "run-r", resume=True, run_key="k1")
     client = MlflowClient(tracking_uri=uri)
     assert again.run_id == first.run_id
     run = client.get_run(again.run_id)
     assert run.info.status == "RUNNING"
     assert run.data.tags["lockstep.run_id"] == "run-r" and run.data.tags["lockstep.mode"] == "periodic"
+    assert run.data.tags["lockstep.run_key"] == "k1"
     assert len(client.search_runs([run.info.experiment_id])) == 1
-    other = Tracker.start(uri, "exp", "run-s")
+    other = Tracker.start(uri, "exp", "run-s", resume=True, run_key="k2")  # killed before it made its MLflow run
     assert other.run_id != first.run_id
+
+
+def test_a_new_run_of_a_taken_name_never_writes_into_the_earlier_runs_mlflow_run(tmp_path):
+    """The same run id in another lake, or again after its lake was deleted: a new MLflow run, the earlier one left
+    FINISHED with its own metrics; a resume finds the run of its own key (the newest of them), or a run started
+    before keys were tagged, never another key's."""
+    uri = _uri(tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    a = Tracker.start(uri, "exp", "same", tags={"lockstep.mode": "sync"}, run_key="lake-a")
+    a.log_metrics({"reward/mean": 0.1}, 0)
+    a.finish()
+    b = Tracker.start(uri, "exp", "same", tags={"lockstep.mode": "periodic"}, run_key="lake-b")
+    b.log_metrics({"reward/mean": 0.9}, 0)
+    b.finish()
+    assert b.run_id != a.run_id
+    first = client.get_run(a.run_id)
+    assert first.info.status == "FINISHED" and first.data.tags["lockstep.mode"] == "sync"
+    assert [m.value for m in client.get_metric_history(a.run_id, "reward/mean")] == [0.1]
+    assert [m.value for m in client.get_metric_history(b.run_id, "reward/mean")] == [0.9]
+    for key, run_id in (("lake-a", a.run_id), ("lake-b", b.run_id)):  # a resume of each: its own, whatever is newer
+        resumed = Tracker.start(uri, "exp", "same", resume=True, run_key=key)
+        assert resumed.run_id == run_id
+        resumed.finish()
+    legacy = client.create_run(first.info.experiment_id, tags={"lockstep.run_id": "old"})  # no key: before keys
+    client.set_terminated(legacy.info.run_id)
+    assert Tracker.start(uri, "exp", "old", resume=True, run_key="k").run_id == legacy.info.run_id
 
 
 def test_a_resumed_run_logs_new_params_and_keeps_a_changed_one_as_a_tag(tmp_path):
@@ -75,16 +102,18 @@ def test_a_resumed_run_logs_new_params_and_keeps_a_changed_one_as_a_tag(tmp_path
     start had an absolute one: MLflow refuses to change a param (the resume failed there); the first value stays,
     the new one is a tag, and a field the config gained since is logged."""
     uri = _uri(tmp_path)
-    first = Tracker.start(uri, "exp", "run-c")
+    first = Tracker.start(uri, "exp", "run-c", run_key="k")
     first.log_params({"lake.uri": "/data/lake", "trainer.lr": 0.001})
     first.finish()
-    again = Tracker.start(uri, "exp", "run-c")
+    again = Tracker.start(uri, "exp", "run-c", resume=True, run_key="k")
     again.log_params({"lake.uri": "lake", "trainer.lr": 0.001, "resources.train_ranks": 1})
     run = MlflowClient(tracking_uri=uri).get_run(again.run_id)
     assert run.data.params == {"lake.uri": "/data/lake", "trainer.lr": "0.001", "resources.train_ranks": "1"}
     assert run.data.tags["lockstep.resumed.lake.uri"] == "lake"
     assert not any(k.startswith("lockstep.resumed.") and k != "lockstep.resumed.lake.uri" for k in run.data.tags)
-    third = Tracker.start(uri, "exp", "run-c")  # a later resume by the first name again: the tag follows it
+    third = Tracker.start(
+        uri, "exp", "run-c", resume=True, run_key="k"
+    )  # a later resume by the first name again: the tag follows it
     third.log_params({"lake.uri": "/data/lake", "trainer.lr": 0.001, "resources.train_ranks": 1})
     run = MlflowClient(tracking_uri=uri).get_run(again.run_id)
     assert run.data.params["lake.uri"] == "/data/lake" and run.data.tags["lockstep.resumed.lake.uri"] == "/data/lake"

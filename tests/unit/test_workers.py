@@ -7,6 +7,7 @@ import os
 import queue
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -49,15 +50,21 @@ def test_waiting_pool_raises_at_start(tmp_path):
         WorkerPool(1, _spec(tmp_path, str(tmp_path / "absent")), start_timeout_s=120)
 
 
+def _v0_checkpoint(tmp_path, tiny_hf) -> Path:
+    """v0 as a run's lake holds it (a Hugging Face directory with its MANIFEST.json), in a lake of its own."""
+    from storage.checkpoints import save_checkpoint
+    from storage.lake import Lake
+
+    return Path(save_checkpoint(Lake(str(tmp_path / "v0-lake")), "w", 0, tiny_hf.model, tiny_hf.tokenizer))
+
+
 def test_stop_right_after_serve_is_never_lost(tmp_path, tiny_hf):
     """`stop_serving` while the worker is still starting: the stop must reach it after its serve command (a stop
     that overtook it was ignored and the worker served forever; seen in the async kill/resume test)."""
     import threading
     import time
 
-    from models.tiny import save_hf
-
-    model_dir = save_hf(tiny_hf.model, tiny_hf.tokenizer, tmp_path / "v0")
+    model_dir = _v0_checkpoint(tmp_path, tiny_hf)  # loaded as each version is: checked against its manifest
     pool = WorkerPool(1, _spec(tmp_path, str(model_dir)), start_timeout_s=120, wait_ready=False)
     try:
         result: dict = {}
@@ -152,15 +159,13 @@ def test_worker_ends_when_its_parent_is_killed_mid_generation(tmp_path, tiny_hf)
     import time
     from pathlib import Path
 
-    from models.tiny import save_hf
-
     def alive(pid: int) -> bool:
         try:
             return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
         except (FileNotFoundError, IndexError):
             return False
 
-    model_dir = save_hf(tiny_hf.model, tiny_hf.tokenizer, tmp_path / "v0")
+    model_dir = _v0_checkpoint(tmp_path, tiny_hf)  # loaded as each version is: checked against its manifest
     lake = tmp_path / "lake"
     parent = subprocess.Popen(
         [sys.executable, "-c", _ORPHAN_PARENT, str(model_dir), str(lake)],
