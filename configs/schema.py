@@ -84,13 +84,11 @@ class RunSection(_Section):
     )
     iterations: int = Field(40, ge=1, le=100_000, description="RL iterations (optimizer steps) to run.")
 
-    @field_validator("name", "run_id")
+    @field_validator("run_id")
     @classmethod
     def _no_parent_step(cls, v: str | None) -> str | None:
-        if v is not None and ".." in v:  # storage.lake.validate_run_id's rule, which the patterns cannot say
-            raise ValueError(
-                "'..' is not allowed in run ids, which name folders of the lake (nor in run.name, their prefix)"
-            )
+        if v is not None and ".." in v:  # storage.lake.validate_run_id's rule, which the pattern cannot say
+            raise ValueError("'..' is not allowed in run ids, which name folders of the lake")
         return v
 
 
@@ -404,7 +402,15 @@ class Config(_Section):
     tracking: TrackingSection = Field(default_factory=TrackingSection)
 
     @model_validator(mode="after")
-    def _cross_field(self):
+    def _cross_field(self, info: ValidationInfo):
+        # a run's frozen config (resume, replay: `load_config(frozen=True)`, `frozen_config`) is not refused by a
+        # rule for new runs that came after it: it must still resume, and a resume cannot change it
+        new_run = not (info.context or {}).get("frozen")
+        if self.run.run_id is None and ".." in self.run.name:  # the name prefixes the run id made up from it
+            raise ValueError(
+                f"run.name {self.run.name!r} contains '..', which run ids may not (they name folders of the lake), "
+                "and a run without run.run_id is named after it: drop the '..' or set run.run_id"
+            )
         if self.pipeline.mode != "async" and self.pipeline.max_staleness != 0:
             raise ValueError("pipeline.max_staleness applies to mode 'async' only; set it to 0 or use mode: async")
         if self.rollout.interrupt_on_update and self.pipeline.mode != "async":
@@ -465,7 +471,7 @@ class Config(_Section):
                     "algorithm.ppo_mini_batches > 1 applies to modes sync and periodic; async mode's "
                     "decoupled loss takes its old policy from prox_logp: set ppo_mini_batches to 1"
                 )
-        if self.rollout.top_p < 1.0 and (m > 1 or self.pipeline.mode == "async"):
+        if self.rollout.top_p < 1.0 and (m > 1 or (self.pipeline.mode == "async" and new_run)):
             # the engine's log-probs are those of the truncated, renormalised distribution; the trainer's policy is
             # the whole softmax: an on-policy token's ratio pi_theta / pi_b is its nucleus mass, not 1
             user, other = (
@@ -606,9 +612,12 @@ def _format_errors(err: ValidationError, source: str, overrides: dict[str, str] 
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, source: str | None = None) -> Config:
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, source: str | None = None, *, frozen: bool = False
+) -> Config:
     """Read a YAML file (or start from defaults when path is None), apply overrides, validate. Errors name `source`
-    (default: the path), e.g. a run's config.json in the lake when `path` is a local copy of it."""
+    (default: the path), e.g. a run's config.json in the lake when `path` is a local copy of it. `frozen`: the file
+    is a run's frozen config (a resume), which rules added for new runs since it was frozen do not refuse."""
     source = source or (str(path) if path is not None else "(defaults)")
     data: Any = {}
     if path is not None:
@@ -640,7 +649,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, sou
         _set_path(data, key, value, f"{key}={value}")
         given[key] = item
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={"frozen": frozen})
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source, given)) from None
 
@@ -666,7 +675,7 @@ def upgrade_frozen(data: dict) -> dict:
 
 def frozen_config(data: dict) -> Config:
     """The validated config of a run from its frozen `config.json` (`upgrade_frozen`)."""
-    return Config.model_validate(upgrade_frozen(data))
+    return Config.model_validate(upgrade_frozen(data), context={"frozen": True})
 
 
 # Settings the run never reads while another setting holds: (section, fields, why not, or None when they are read;

@@ -221,7 +221,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     from tasks.preflight import RunExistsError, check_backend, check_inputs, check_prefect_api, check_run_free
 
     try:
-        cfg = load_config(config_path, overrides, source)  # fail fast, before Prefect or any work starts
+        cfg = load_config(config_path, overrides, source, frozen=resume)  # fail fast, before Prefect or any work
         check_backend(cfg)  # first, as in open_session: a missing extra is the first thing to install
         if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
             check_inputs(cfg)  # the model and dataset it names exist and read

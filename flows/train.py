@@ -185,7 +185,7 @@ def train_flow(config_path: str | None = None, overrides: list[str] | None = Non
     With `resume`, continue an existing run from its promoted checkpoint: complete shards of the interrupted
     iteration are reused, only the missing groups are generated.
     """
-    cfg: Config = load_config(config_path, overrides or [])
+    cfg: Config = load_config(config_path, overrides or [], frozen=resume)
     from prefect.runtime import flow_run
 
     if (flow_run.run_count or 1) > 1:  # Prefect retrying this flow run: continue the run it started, if it got so far

@@ -265,7 +265,8 @@ def promoted_version(lake: Lake, run_id: str) -> int | None:
 def load_weights(lake: Lake, path: str, *, checked: bool = True) -> dict[str, torch.Tensor]:
     """The checkpoint's state dict, read through fsspec (any filesystem), without pickle; its bytes are checked
     against the manifest, so a file damaged since its promotion is named (CheckpointError), not loaded. `checked=False`
-    reads the file as it is, for a caller whose comparison of the weights is itself the check (replay)."""
+    reads the file as it is: for a caller whose comparison of the weights is itself the check (replay), or that loads
+    a version verified at its promotion an instant before (a rollout worker)."""
     if not checked:
         with lake.fs.open(f"{path}/{WEIGHTS}", "rb") as f:
             return st_load(f.read())
@@ -339,9 +340,11 @@ def retain_optimizer_state(lake: Lake, run_id: str, version: int, keep: int) -> 
     return [v for v in range(max(version - keep - 1, 0), version - keep + 1) if prune_optimizer_state(lake, run_id, v)]
 
 
-def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
+def local_copy(lake: Lake, path: str, cache_dir: str, *, checked: bool = True) -> str:
     """A local directory with the checkpoint's model files (the path itself on a local lake, its model files checked
-    against the manifest first), for `from_pretrained` and vLLM.
+    against the manifest first unless `checked=False`: a rollout worker loads versions verified at their promotion
+    an instant before, where hashing a large model's files again on each load would cost as much as the load), for
+    `from_pretrained` and vLLM.
 
     Only the Hugging Face files are copied, not `trainer_state/` (2/3 of a checkpoint with AdamW's moments, and the
     part a later promotion may prune while a worker copies), each checked against the manifest read first as it
@@ -349,8 +352,8 @@ def local_copy(lake: Lake, path: str, cache_dir: str) -> str:
     manifest, so a re-created run or another lake never reuses it, and is written into a private folder and only
     then renamed into place: a download cut short (a killed process) or two processes copying at once never leave
     a partial copy to be loaded."""
-    if lake.is_local:  # loaded where it is, once its model files are checked against the manifest
-        for rel, digest in _model_files(_read_manifest(lake.fs, path)):
+    if lake.is_local:  # loaded where it is
+        for rel, digest in _model_files(_read_manifest(lake.fs, path)) if checked else ():
             _read_checked(lake.fs, path, rel, digest)
         return path
     try:

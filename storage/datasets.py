@@ -222,7 +222,7 @@ def load_prompts(
             f"{uri}: no rows: the file is empty (or blank lines only); give a file with one JSON object per line "
             "(JSONL), or a Parquet file"
         )
-    if not records and set(report.skipped) == {"not JSON"}:
+    if not records and set(report.skipped) <= {"not JSON", "not an object"}:  # rows > 0: one was skipped
         raise DatasetError(
             f"{uri}: no usable rows ({report.summary()}): no line is a JSON object, so it is not JSONL (a JSON "
             "array or a pretty-printed file is not read); write one JSON object per line"

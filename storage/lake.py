@@ -72,6 +72,12 @@ def check_lake_url(uri: str) -> None:
             ) from None
 
 
+def _behind_caches(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    while isinstance(fs, CachingFileSystem):
+        fs = fs.fs
+    return fs
+
+
 def _first(protocol: str | tuple[str, ...]) -> str:
     """A filesystem's protocol, by its first name where it has several (s3fs: ("s3", "s3a"))."""
     return protocol if isinstance(protocol, str) else protocol[0]
@@ -90,12 +96,10 @@ class Lake:
     @functools.cached_property
     def fs(self) -> fsspec.AbstractFileSystem:
         """The filesystem the lake is read and written through. A chained URL's read cache is kept in front of an
-        object store only: a local disk or memory store gains nothing from it, and files the lake rewrites there
-        (the ledger, PROMOTED) are published by a rename that bypasses it, so it would serve their old copies."""
+        object store only: on any other store (a local disk, memory://, sftp...) the files the lake rewrites (the
+        ledger, PROMOTED) are published by a rename, which bypasses the cache, so it would serve their old copies."""
         fs, _ = fsspec.core.url_to_fs(self.uri)
-        store = fs
-        while isinstance(store, CachingFileSystem):
-            store = store.fs
+        store = _behind_caches(fs)
         return fs if _first(store.protocol) in OBJECT_STORES else store
 
     @functools.cached_property
@@ -106,10 +110,7 @@ class Lake:
     @functools.cached_property
     def store(self) -> fsspec.AbstractFileSystem:
         """The filesystem behind any cache a chained URL (`simplecache::s3://...`) puts in front of it."""
-        fs = self.fs
-        while isinstance(fs, CachingFileSystem):
-            fs = fs.fs
-        return fs
+        return _behind_caches(self.fs)
 
     @property
     def protocol(self) -> str:

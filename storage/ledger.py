@@ -57,7 +57,8 @@ def _read(lake: Lake, run_id: str, path: str) -> dict:
     if not isinstance(record, dict) or "state" not in record:
         raise ValueError(f"{path} is not a ledger record (a JSON object with a 'state')")
     for shard in record.get("shards") or ():
-        shard["path"] = shard_path(lake, run_id, shard["path"])
+        if isinstance(shard, dict) and isinstance(shard.get("path"), str):  # else damaged: named where it is read
+            shard["path"] = shard_path(lake, run_id, shard["path"])
     return record
 
 

@@ -49,11 +49,12 @@ class Tracker:
         resume: bool = False,
         run_key: str | None = None,
     ) -> Tracker:
-        """The MLflow run of lockstep run `run_name`, tagged `lockstep.run_id` and `lockstep.run_key`. `run_key` tells
-        the run from another of the same name (in another lake, or before its lake was deleted): the caller gives
-        the digest of the run's frozen config. A new run always gets a new MLflow run; a resumed one continues the
-        newest MLflow run of its name and key (or of its name and no key: started before keys were tagged), or gets
-        a new one where there is none (killed before it made one)."""
+        """The MLflow run of lockstep run `run_name`, tagged `lockstep.run_id` and `lockstep.run_key`. A new run always
+        gets a new MLflow run; a resumed one continues the newest MLflow run of its name and key, or of its name and
+        no key (started before keys were tagged: it is given the key), or gets a new one where there is none (killed
+        before it made one). `run_key`, the digest of the run's frozen config, tells it from a run of the same name
+        in another lake; one of the same config in the same place (a lake deleted and the run started again) is told
+        apart by being older."""
         t0 = time.perf_counter()
         os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
         client = MlflowClient(tracking_uri=uri)
@@ -74,6 +75,8 @@ class Tracker:
         if existing:
             run_id = existing[0].info.run_id
             client.update_run(run_id, status="RUNNING")
+            if run_key and "lockstep.run_key" not in existing[0].data.tags:  # from before keys: its own from now on
+                client.set_tag(run_id, "lockstep.run_key", run_key)
         else:
             own = {"lockstep.run_id": run_name, **({"lockstep.run_key": run_key} if run_key else {})}
             run = client.create_run(exp_id, run_name=run_name, tags={**own, **(tags or {})})

@@ -249,13 +249,16 @@ def check_task(cfg: Config) -> None:
 
 
 def _check_positions(cfg: Config, longest: int) -> None:
-    """The longest prompt and its response fit the positions `model.path`'s config declares: a model with learned
-    positions (GPT-2's n_positions) failed with an IndexError in its first evaluation, after the run was written;
-    a rotary one past its max_position_embeddings runs on positions it was never trained at."""
+    """The longest prompt and its response fit a table of learned positions (GPT-2's n_positions, OPT's
+    max_position_embeddings): past it the first evaluation failed with an IndexError, after the run was written.
+    A rotary model (its config has rope parameters) runs past max_position_embeddings, scaled by rope_scaling or
+    not: that is a choice of the model's, not checked here."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(cfg.model.path)
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if any(getattr(config, name, None) for name in ("rope_parameters", "rope_scaling", "rope_theta")):
+        return
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     if isinstance(positions, int) and longest + new > positions:
         raise InputError(

@@ -273,9 +273,9 @@ class _Worker:
             elif self.vllm is not None:  # vLLM reads a local directory inside its own worker processes; a copy of an
                 # object-store checkpoint lasts only for the load (kept, one would pile up per promoted version)
                 with tempfile.TemporaryDirectory(prefix=scratch.prefix("load")) as copies:
-                    self.vllm.load_checkpoint(checkpoints.local_copy(self.lake, source, copies))
-            else:
-                checkpoints.load_into(self.model, checkpoints.load_weights(self.lake, source))
+                    self.vllm.load_checkpoint(checkpoints.local_copy(self.lake, source, copies, checked=False))
+            else:  # a promoted version, verified as it was promoted: not hashed again on every load
+                checkpoints.load_into(self.model, checkpoints.load_weights(self.lake, source, checked=False))
             self.version = version
             self.load_s += time.perf_counter() - t0
         if self.pending is not None and self.pending[0] <= version:

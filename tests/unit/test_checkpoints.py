@@ -222,22 +222,27 @@ def test_verify_detects_a_modified_file(tiny_hf, lake, victim):
 
 @pytest.mark.parametrize("victim", ["model.safetensors", "config.json"])
 def test_every_load_of_a_damaged_checkpoint_names_the_file(tiny_hf, lake, tmp_path, victim):
-    """Loads past promotion check what they load: `load_weights` (a resume's proximal weights one version back, a
-    worker's next version) and `local_copy` of a local lake (replay's v0, served as it lies) name a model file
-    damaged since the checkpoint was written; the optimizer state, which neither loads, is left to its reader."""
+    """Loads past promotion check what they load: `load_weights` (a resume's proximal weights one version back) and
+    `local_copy` of a local lake (replay's v0, served as it lies) name a model file damaged since the checkpoint was
+    written; the optimizer state, which neither loads, is left to its reader. `checked=False` (a worker's load of a
+    version verified at its promotion, replay's comparison) reads the files as they are."""
     path = save_checkpoint(lake, RUN, 1, tiny_hf.model, tiny_hf.tokenizer)
     assert set(load_weights(lake, path)) == set(tiny_hf.model.state_dict()) - {"lm_head.weight"}  # intact (tied)
     assert local_copy(lake, path, str(tmp_path)) == path
     f = Path(path, victim)
     data = bytearray(f.read_bytes())
-    data[-2] ^= 0x01  # a tensor's byte, or the config's closing brace: still parses
+    data[-2] ^= 0x01  # a tensor's byte, or the config's closing brace: only the digest is compared
     f.write_bytes(bytes(data))
     match = f"checkpoint file {path}/{victim} does not match its manifest"
     with pytest.raises(CheckpointError, match=match):
         local_copy(lake, path, str(tmp_path))
+    assert local_copy(lake, path, str(tmp_path), checked=False) == path
     if victim == "model.safetensors":
         with pytest.raises(CheckpointError, match=match):
             load_weights(lake, path)
+        damaged = load_weights(lake, path, checked=False)  # as it lies: one value changed
+        state = tiny_hf.model.state_dict()
+        assert sum(not torch.equal(t, state[k]) for k, t in damaged.items()) == 1
     else:
         load_weights(lake, path)  # the weights themselves are intact
     Path(path, "MANIFEST.json").unlink()

@@ -735,9 +735,13 @@ def test_run_name_length_and_run_id_first_character():
     for bad in [".hidden", "-x", "_x", "r" + "x" * 128, "../etc", "my run"]:
         assert f"run.run_id: {words}, at most 128 characters (got {bad!r})" in load_error(None, [f"run.run_id={bad}"])
     assert f"run.name: {words} (got 'my run')" in load_error(None, ["run.name=my run"])
-    # the lake's own rule past the pattern: '..' anywhere (a traceback from the CLI's look, or from the flow)
-    for field in ("run_id", "name"):
-        assert f"run.{field}: '..' is not allowed in run ids" in load_error(None, [f"run.{field}=a..b"])
+    # the lake's own rule past the pattern: '..' anywhere (a traceback from the CLI's look, or from the flow); in
+    # run.name only where it becomes a run id (no run.run_id), as the MLflow experiment it is harmless
+    assert "run.run_id: '..' is not allowed in run ids, which name folders of the lake" in load_error(
+        None, ["run.run_id=a..b"]
+    )
+    assert "run.name 'a..b' contains '..', which run ids may not" in load_error(None, ["run.name=a..b"])
+    assert load_config(None, ["run.name=a..b", "run.run_id=r1"]).run.name == "a..b"
 
 
 def test_iterations_must_be_at_least_one():

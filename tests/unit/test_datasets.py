@@ -82,12 +82,13 @@ def test_an_empty_file_or_a_json_array_is_named_as_such_not_blamed_on_the_fields
     empty = _jsonl(str(tmp_path / "e.jsonl"), [b"", b"  "])
     with pytest.raises(DatasetError, match=r"e.jsonl: no rows: the file is empty \(or blank lines only\)"):
         load_prompts(empty)
-    array = str(tmp_path / "a.json")
-    with open(array, "w") as f:
-        json.dump(GOOD, f, indent=2)  # what json.dump writes: an array over many lines
-    with pytest.raises(DatasetError, match="no line is a JSON object, so it is not JSONL") as e:
-        load_prompts(array)
-    assert "question_field" not in str(e.value)
+    for indent in (None, 2):  # json.dump's array: one line (a list, not an object), or pretty-printed over many
+        array = str(tmp_path / f"a{indent}.json")
+        with open(array, "w") as f:
+            json.dump(GOOD, f, indent=indent)
+        with pytest.raises(DatasetError, match="no line is a JSON object, so it is not JSONL") as e:
+            load_prompts(array)
+        assert "question_field" not in str(e.value)
 
 
 def test_no_usable_rows_names_the_fields_it_read(tmp_path):

@@ -142,6 +142,22 @@ def test_bad_mini_batch_configs_are_refused(overrides, reason):
         load_config(None, overrides)
 
 
+def test_an_async_run_frozen_with_top_p_below_one_still_resumes_and_replays():
+    """The refusal of async mode with nucleus sampling came after such runs could be started: their frozen config
+    (resume: load_config(frozen=True); replay: frozen_config) still validates, since a resume cannot change it."""
+    import json
+
+    from configs.schema import frozen_config, resolved_json
+
+    given = ["pipeline.mode=async", "rollout.top_p=0.9"]
+    assert load_config(None, given, frozen=True).rollout.top_p == 0.9
+    frozen = json.loads(resolved_json(load_config(None, ["run.run_id=r1"])))
+    frozen["pipeline"]["mode"], frozen["rollout"]["top_p"] = "async", 0.9
+    assert frozen_config(frozen).rollout.top_p == 0.9
+    with pytest.raises(ConfigError, match="set rollout.top_p to 1.0 or ppo_mini_batches to 1"):  # never startable
+        load_config(None, ["algorithm.ppo_mini_batches=2", "rollout.top_p=0.9"], frozen=True)
+
+
 @pytest.mark.parametrize("m", [1, 2])
 def test_before_step_runs_before_every_optimizer_step_and_sees_the_weights_unchanged(setup, m):
     """The train task waits there for the checkpoint being written from the live tensors (zero-copy snapshot):

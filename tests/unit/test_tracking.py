@@ -95,6 +95,7 @@ def test_a_new_run_of_a_taken_name_never_writes_into_the_earlier_runs_mlflow_run
     legacy = client.create_run(first.info.experiment_id, tags={"lockstep.run_id": "old"})  # no key: before keys
     client.set_terminated(legacy.info.run_id)
     assert Tracker.start(uri, "exp", "old", resume=True, run_key="k").run_id == legacy.info.run_id
+    assert client.get_run(legacy.info.run_id).data.tags["lockstep.run_key"] == "k"  # adopted: its key from now on
 
 
 def test_a_resumed_run_logs_new_params_and_keeps_a_changed_one_as_a_tag(tmp_path):

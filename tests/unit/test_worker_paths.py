@@ -151,7 +151,7 @@ def test_a_chunk_of_an_older_version_is_refused(worker):  # noqa: F811
 def test_iterate_reports_its_own_iterations_figures(worker, monkeypatch):  # noqa: F811
     """busy_s / storage_s are the sums of its chunks' figures; load_s is this iteration's load only."""
 
-    def slow_load(lake, source):
+    def slow_load(lake, source, checked=True):
         time.sleep(0.2)
 
     monkeypatch.setattr(checkpoints, "load_weights", slow_load)
@@ -262,7 +262,7 @@ class _WorkerThread:
     """`_worker_main` on a thread with in-process queues (checkpoint loads as no-ops)."""
 
     def __init__(self, worker, monkeypatch):  # noqa: F811
-        monkeypatch.setattr(checkpoints, "load_weights", lambda lake, source: None)
+        monkeypatch.setattr(checkpoints, "load_weights", lambda lake, source, checked=True: None)
         monkeypatch.setattr(checkpoints, "load_into", lambda model, state: None)
         self.commands, self.work, self.results = queue.Queue(), queue.Queue(), queue.Queue()
         self.thread = threading.Thread(

@@ -86,7 +86,7 @@ class Served:
             return {"gen_s": 0.0, "storage_s": 0.0, "path": "unused"}
 
         monkeypatch.setattr(worker, "generate_chunk", generate or logged)
-        monkeypatch.setattr(checkpoints, "load_weights", lambda lake, source: None)
+        monkeypatch.setattr(checkpoints, "load_weights", lambda lake, source, checked=True: None)
         monkeypatch.setattr(checkpoints, "load_into", lambda model, state: None)
 
         def run():

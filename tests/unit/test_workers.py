@@ -64,7 +64,7 @@ def test_stop_right_after_serve_is_never_lost(tmp_path, tiny_hf):
     import threading
     import time
 
-    model_dir = _v0_checkpoint(tmp_path, tiny_hf)  # loaded as each version is: checked against its manifest
+    model_dir = _v0_checkpoint(tmp_path, tiny_hf)  # the worker loads it as a promoted version
     pool = WorkerPool(1, _spec(tmp_path, str(model_dir)), start_timeout_s=120, wait_ready=False)
     try:
         result: dict = {}
@@ -165,7 +165,7 @@ def test_worker_ends_when_its_parent_is_killed_mid_generation(tmp_path, tiny_hf)
         except (FileNotFoundError, IndexError):
             return False
 
-    model_dir = _v0_checkpoint(tmp_path, tiny_hf)  # loaded as each version is: checked against its manifest
+    model_dir = _v0_checkpoint(tmp_path, tiny_hf)  # the worker loads it as a promoted version
     lake = tmp_path / "lake"
     parent = subprocess.Popen(
         [sys.executable, "-c", _ORPHAN_PARENT, str(model_dir), str(lake)],
