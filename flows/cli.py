@@ -218,11 +218,18 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     from configs.schema import ConfigError, inert_settings, load_config
     from storage.lake import Lake
     from storage.lease import RunInUseError
-    from tasks.preflight import RunExistsError, check_backend, check_inputs, check_prefect_api, check_run_free
+    from tasks.preflight import (
+        RunExistsError,
+        check_backend,
+        check_inputs,
+        check_prefect_api,
+        check_run_free,
+        thread_budget_note,
+    )
 
     try:
         cfg = load_config(config_path, overrides, source, frozen=resume)  # fail fast, before Prefect or any work
-        check_backend(cfg)  # first, as in open_session: a missing extra is the first thing to install
+        device = check_backend(cfg)  # first, as in open_session: a missing extra is the first thing to install
         if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
             check_inputs(cfg)  # the model and dataset it names exist and read
             _refuse_memory(Lake(cfg.lake.uri))  # (resume's --lake was refused already)
@@ -234,6 +241,8 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     if not resume:  # a resumed run's frozen config sets every field: only a new run's file and -o are the user's
         for note in inert_settings(cfg):
             _warning(console, note)
+    if (note := thread_budget_note(cfg, device)) is not None:  # this machine's cores: a resume's too
+        _warning(console, note)
     run = f"run {cfg.run.run_id}" if cfg.run.run_id else f"a run of {cfg.run.name}"
     console.print(f"{'resuming' if resume else 'starting'} {run} in lake {cfg.lake.uri}")
     from flows import api_server

@@ -137,6 +137,28 @@ def check_backend(cfg: Config):
     return device
 
 
+def thread_budget_note(cfg: Config, device) -> str | None:
+    """A warning, or None: on a CPU, the torch threads of the processes that run at once (rollout workers beside the
+    trainer's ranks; in sync mode one side at a time) outnumber this machine's cores. Torch's thread pool spins:
+    two processes of 2 threads each on this 2-core machine ran ~5x slower (DESIGN.md, compute roles). A warning, not
+    an error: the cores a run may use are the user's to know (a container's limit, a shared host)."""
+    if device.type != "cpu":
+        return None
+    r = cfg.resources
+    rollout, train = r.rollout_workers * r.rollout_threads, r.train_ranks * r.train_threads
+    busy = max(rollout, train) if cfg.pipeline.mode == "sync" else rollout + train
+    cores = os.cpu_count() or 1
+    if busy <= cores:
+        return None
+    at_once = "one side at a time (sync)" if cfg.pipeline.mode == "sync" else "at once"
+    return (
+        f"resources run {busy} torch threads {at_once} ({r.rollout_workers} rollout worker(s) x {r.rollout_threads} "
+        f"rollout_threads, {r.train_ranks} trainer rank(s) x {r.train_threads} train_threads) on {cores} CPU cores: "
+        "threads beyond the cores slow every process down (two 2-thread processes on 2 cores ran ~5x slower); "
+        f"lower them to add up to {cores}"
+    )
+
+
 def attention_kernel(choice: str, device) -> str:
     """The trainer's attention implementation on `device` (a torch.device): FlexAttention block masks on CUDA where
     available, else SDPA; InputError for a choice the device cannot train with."""

@@ -485,6 +485,47 @@ def test_train_warns_of_a_setting_its_run_will_not_read_and_still_runs(monkeypat
     assert err.count("warning:") == 1
 
 
+def test_train_warns_of_more_threads_than_cores_and_still_runs(monkeypatch, capsys, tmp_path):
+    """Processes whose torch threads outnumber the cores slow each other down (DESIGN.md: ~5x here): said at the
+    start, on this machine's core count (2 here, set so), and the run goes on."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    _flow_returning(monkeypatch, SUMMARY)
+    assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}", "-o", "resources.train_threads=2"]) == 0
+    err = cli_stderr(capsys)
+    assert err.startswith(
+        squash(
+            "warning: resources run 3 torch threads at once (1 rollout worker(s) x 1 rollout_threads, 1 trainer "
+            "rank(s) x 2 train_threads) on 2 CPU cores: threads beyond the cores slow every process down"
+        )
+    )
+    assert err.count("warning:") == 1
+    assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}"]) == 0  # the demo's 1 + 1
+    assert "warning:" not in cli_stderr(capsys)
+
+
+def test_the_thread_budget_counts_what_runs_at_once_and_only_on_a_cpu(monkeypatch):
+    import os
+
+    import torch
+
+    from configs.schema import load_config
+    from tasks.preflight import thread_budget_note
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    cpu = torch.device("cpu")
+    threads = ["resources.rollout_workers=2", "resources.rollout_threads=2", "resources.train_threads=2"]
+    assert thread_budget_note(load_config(ARITH, threads), cpu).startswith("resources run 6 torch threads at once")
+    sync = ["pipeline.mode=sync", "resources.borrow_rollout_threads=false"]
+    assert thread_budget_note(load_config(ARITH, [*sync, *threads]), cpu) is None  # 4 rollout, then 2 training
+    ranks = [*sync, "resources.train_ranks=3", "resources.train_threads=2"]
+    assert thread_budget_note(load_config(ARITH, ranks), cpu).startswith(
+        "resources run 6 torch threads one side at a time (sync) (1 rollout worker(s) x 1 rollout_threads, 3 trainer"
+    )
+    assert thread_budget_note(load_config(ARITH, threads), torch.device("meta")) is None  # not a CPU: not counted
+
+
 def test_resume_does_not_warn_of_its_frozen_configs_settings(lake_with_run, monkeypatch, capsys):  # noqa: F811
     """A frozen config.json sets every field, so in a periodic run the async settings read as given: a resumed
     run's config was the user's choice when it started, and is not judged again."""
