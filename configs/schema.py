@@ -779,7 +779,8 @@ _INERT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[Config], str | None]],
 
 def inert_settings(config: Config) -> list[str]:
     """What a user should hear about a new run's config before it starts, one line each: the settings it gives (in
-    its file or by -o) that the run will not read, and why, and a group size from which nothing is learned.
+    its file or by -o) that the run will not read, and why, rollout workers that would get no work (sync and
+    periodic), and a group size from which nothing is learned.
 
     Not errors: a run frozen with such a setting must still resume. Only what the config sets is reported (a
     default is no one's choice); a run's frozen config.json sets every field, so this is for a new run's config."""
@@ -794,6 +795,15 @@ def inert_settings(config: Config) -> list[str]:
             reason = reason.replace("{it}", "it" if one else "them")
             notes.append(f"{', '.join(given)} {'is set but has' if one else 'are set but have'} no effect: {reason}")
             reported.update(given)
+    r, p = config.resources, config.pipeline
+    chunks = -(-config.rollout.prompts_per_iteration // p.shard_groups)
+    if p.mode != "async" and r.rollout_workers > chunks:  # (async workers take the next batches' chunks too)
+        notes.append(
+            f"resources.rollout_workers is {r.rollout_workers} but an iteration has {chunks} chunk(s) of work "
+            f"(rollout.prompts_per_iteration {config.rollout.prompts_per_iteration} / pipeline.shard_groups "
+            f"{p.shard_groups}): {r.rollout_workers - chunks} worker(s) would never get one, yet each starts and "
+            f"loads the model; lower rollout_workers to {chunks} or pipeline.shard_groups"
+        )
     if config.rollout.group_size == 1:
         notes.append(
             "rollout.group_size is 1: every advantage estimator compares a response with the rest of its group, "

@@ -224,6 +224,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
         check_inputs,
         check_prefect_api,
         check_run_free,
+        check_tracking,
         thread_budget_note,
     )
 
@@ -234,7 +235,9 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
             check_inputs(cfg)  # the model and dataset it names exist and read
             _refuse_memory(Lake(cfg.lake.uri))  # (resume's --lake was refused already)
         check_run_free(cfg, resume)  # a run id taken or in use (the flow looks again, under the run's lease)
-        check_prefect_api()  # the tracking store is checked by the flow, before it writes the run
+        check_prefect_api()
+        check_tracking(cfg)  # found in the flow before, after its imports and the server's start (~14 s); MLflow's
+        # imports are the flow's too, and the flow's own look then costs nothing
     except (ConfigError, RunExistsError, RunInUseError) as e:
         _error(console, str(e))
         return 2
@@ -314,11 +317,11 @@ def cmd_resume(args) -> int:
         # workers and reopen its MLflow run only to find nothing to train
         console.print(f"run {args.run_id} has finished (version {finished}): nothing to resume")
         return 0
-    frozen = _upgraded(frozen)
+    frozen = _upgraded(frozen, lake_uri=args.lake)
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
         f.write(frozen)  # JSON is YAML: the frozen config loads through the same validation
     try:
-        return _run_flow(console, f.name, [f"lake.uri={args.lake}"], resume=True, source=path)
+        return _run_flow(console, f.name, [], resume=True, source=path)
     finally:
         os.unlink(f.name)
 
@@ -334,9 +337,11 @@ def _finished_version(lake, run_id: str) -> int | None:
         return None
 
 
-def _upgraded(frozen: bytes) -> bytes:
+def _upgraded(frozen: bytes, lake_uri: str | None = None) -> bytes:
     """A frozen config.json with the fields added since its run started set as that run trained
-    (`configs.schema.upgrade_frozen`); bytes that are not a JSON object are left to the config loader's errors."""
+    (`configs.schema.upgrade_frozen`), and `lake.uri` set to `lake_uri` (the lake it is resumed from, which may have
+    moved: set in the file, not as an override, so that its errors name the run's config alone); bytes that are not
+    a JSON object are left to the config loader's errors."""
     import json
 
     from configs.schema import upgrade_frozen
@@ -345,7 +350,12 @@ def _upgraded(frozen: bytes) -> bytes:
         data = json.loads(frozen)
     except ValueError:
         return frozen
-    return json.dumps(upgrade_frozen(data), indent=2).encode() if isinstance(data, dict) else frozen
+    if not isinstance(data, dict):
+        return frozen
+    data = upgrade_frozen(data)
+    if lake_uri is not None and isinstance(data.setdefault("lake", {}), dict):  # (not a mapping: the loader's error)
+        data["lake"]["uri"] = lake_uri
+    return json.dumps(data, indent=2).encode()
 
 
 def _lake(uri: str):
@@ -541,6 +551,8 @@ def cmd_audit(args) -> int:
         "response_text",
         "worker",
     ]
+    if args.format != "table":  # the shard's path: wider than the rest of a table's line together
+        columns.append("shard")
     try:
         rows = catalog.query(uri, catalog.ROLLOUTS, " AND ".join(where) or None, args.limit, columns).to_pylist()
     except FileNotFoundError as e:
@@ -638,6 +650,8 @@ def cmd_export(args) -> int:
 
     lake = _lake(args.lake)
     try:
+        if not args.out.strip():  # Path("") is the working directory: "exists and is not empty" was the message
+            raise ValueError("--out is empty: give the directory to export into (a new or empty one)")
         _run_config_path(lake, args.run_id)
         if args.version is not None and args.version < 0:
             raise ValueError(f"--version {args.version}: versions start at 0")

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import re
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,23 +38,36 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
+def hf_offline() -> bool:
+    """HF_HUB_OFFLINE is on (the CLI's default): nothing is asked of the Hugging Face hub."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
 class LakeURLError(ValueError):
     """A lake URL whose filesystem fsspec cannot provide: an unknown protocol, or its package is not installed."""
 
 
 def _check_local_folder(uri: str, root: str) -> None:
-    """A local lake's folder `root` exists as a folder, or its nearest existing path is a folder it can be made in."""
+    """A local lake's folder `root` exists as a folder, or its nearest existing path is a folder it can be made in:
+    tried by making (and removing at once) a probe folder of a name of its own there, since permission bits do not
+    tell (root may write anywhere by them, yet not under /proc or on a read-only mount). Not the lake's own first
+    folder: a run making its lake, or another check, may be using that one."""
     path = root
     while not os.path.lexists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     if not os.path.isdir(path):
         where = "" if path == root else f" (above the lake's folder {root})"
         raise LakeURLError(f"lake {uri!r}: {path}{where} is not a folder; give a folder for the lake")
-    if path != root and not os.access(path, os.W_OK | os.X_OK):
+    if path == root:  # an existing lake is read by audit, runs, report: not asked to be writable
+        return
+    try:
+        probe = tempfile.mkdtemp(prefix=".lockstep-probe-", dir=path)
+    except OSError as e:
         raise LakeURLError(
-            f"lake {uri!r}: {root} does not exist and cannot be made ({path} is not writable); create it, or give "
-            "a folder you can write"
-        )
+            f"lake {uri!r}: {root} does not exist and cannot be made (in {path}: {e.strerror or e}); create it, or "
+            "give a folder you can write"
+        ) from None
+    os.rmdir(probe)
 
 
 def check_lake_url(uri: str) -> None:
@@ -128,26 +142,35 @@ class Lake:
     def check_reachable(self) -> None:
         """On an object store, list the lake's prefix once: a store that does not answer (its endpoint, e.g.
         AWS_ENDPOINT_URL for an S3-compatible one), refused credentials, or a bucket that does not exist is a
-        LakeURLError naming the lake, before a command's work, not a botocore traceback part-way. On a local disk,
-        the lake's folder is a folder or can be made (no file in its place or above it; a missing one's nearest
-        existing folder is writable). Nothing is written."""
+        LakeURLError naming the lake, before a command's work, not a botocore traceback part-way; another remote
+        store (sftp://, hf:// offline) is listed the same way. On a local disk, the lake's folder is a folder or
+        can be made (no file in its place or above it; a missing one's first folder is made and removed). Nothing
+        is left written."""
         if self.is_local:
             _check_local_folder(self.uri, self.root)
-        if not self.is_object_store:
+            return
+        if self.protocol == "memory":
             return
         fs = self.store
-        fs.invalidate_cache(self.root)
         try:
+            fs.invalidate_cache(self.root)  # (hf:// resolves the path here, asking the hub)
             fs.ls(self.root, detail=False)  # the lake's own prefix: all that credentials limited to it may list
             return
         except FileNotFoundError:  # a new lake, or no such bucket
             pass
-        except Exception as e:  # botocore's EndpointConnectionError, ParamValidationError; PermissionError
+        except Exception as e:  # botocore's EndpointConnectionError, ParamValidationError; PermissionError; hf://
+            # offline (OfflineModeIsEnabled), an sftp host that does not answer
             reason = " ".join(str(e).split())[:400]
+            endpoint = " (AWS_ENDPOINT_URL for an S3-compatible store)" if self.is_object_store else ""
+            offline = ""
+            if self.protocol == "hf" and hf_offline():
+                offline = " (HF_HUB_OFFLINE=1, lockstep's commands' default: HF_HUB_OFFLINE=0 lets them reach the hub)"
             raise LakeURLError(
                 f"lake {self.uri!r}: its store cannot be used ({type(e).__name__}: {reason}); check the URL, the "
-                "endpoint (AWS_ENDPOINT_URL for an S3-compatible store) and the credentials"
+                f"endpoint{endpoint} and the credentials{offline}"
             ) from None
+        if not self.is_object_store:  # another fsspec store that answers (sftp://...): a new lake
+            return
         bucket = self.root.split("/", 1)[0]
         try:
             fs.info(bucket)

@@ -13,7 +13,10 @@ before it imports the flow (transformers, Prefect's flow engine) or starts a ser
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import time
 from typing import TYPE_CHECKING
 
 from configs.schema import Config, ConfigError
@@ -24,10 +27,6 @@ if TYPE_CHECKING:  # a type only: each check imports what it uses as it runs
 
 class InputError(ConfigError):
     """A config whose model or dataset cannot be used; the message names the field, the value and what to do."""
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def check_model_path(path: str) -> None:
@@ -58,7 +57,9 @@ def check_model_path(path: str) -> None:
             f"model.path {path!r} is neither a local directory nor a hub id ({e}); give a local "
             "Hugging Face model directory or a hub id such as Qwen/Qwen2.5-0.5B"
         ) from None
-    if not _offline():
+    from storage.lake import hf_offline
+
+    if not hf_offline():
         return  # from_pretrained downloads what the cache lacks (a partial cache: a cut download, a config read)
     if not isinstance(cached, str):  # None, or the cache's marker of a file known not to exist
         raise InputError(
@@ -176,8 +177,9 @@ def attention_kernel(choice: str, device) -> str:
 
 
 def check_inputs(cfg: Config) -> None:
-    """Raise `InputError` (a `ConfigError`) for a lake, model or dataset the run could not use; cheap, no side
-    effects (a lake on an object store is asked for its bucket)."""
+    """Raise `InputError` (a `ConfigError`) for a lake, model or dataset the run could not use; cheap, nothing left
+    behind (a lake on an object store is asked for its bucket; a new local one's folder is tried with a probe folder
+    made and removed)."""
     from storage.lake import Lake, LakeURLError
 
     try:
@@ -238,7 +240,8 @@ def check_tracking(cfg: Config) -> None:
     saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
     os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"})
     try:
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        with _one_at_a_time(uri):
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as e:  # MlflowException, a missing driver (ModuleNotFoundError), a bad URI (ValueError), ...
         raise InputError(
             f"tracking.uri {uri!r} cannot be used ({_first_line(e)}): give sqlite:///PATH (the default "
@@ -251,6 +254,58 @@ def check_tracking(cfg: Config) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+_LOCK_WAIT_S = 60.0  # a new store's tables take ~4 s to create here
+
+
+@contextlib.contextmanager
+def _one_at_a_time(uri: str):
+    """For a SQLite tracking store, hold an exclusive lock on its folder (flock: nothing is written) while MLflow
+    opens it: MLflow creates and migrates the database's tables as it first opens it, and two processes doing so at
+    once (two `lockstep train` started together on a new mlflow.db) failed one of them ("table latest_metrics
+    already exists", a migration that found no row to update). Other stores are left alone; where the folder takes
+    no lock (a filesystem without flock) or a holder keeps it past `_LOCK_WAIT_S`, MLflow opens it without one."""
+    folder = _sqlite_folder(uri)
+    if folder is None:
+        yield
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)  # as MLflow would: the lock needs the folder first
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a folder that cannot be made or read: MLflow's own error names it
+        yield
+        return
+    try:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # another process is opening the store: seconds, unless it is stuck
+                if time.monotonic() > deadline:
+                    break  # go on without the lock, as before it existed
+                time.sleep(0.05)
+            except OSError:  # a filesystem without flock (Lustre without -o flock, some NFS): as before too
+                break
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def _sqlite_folder(uri: str) -> str | None:
+    """The folder of a `sqlite:///PATH` store's file; None for another store or an in-memory database."""
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(uri).database
+    except Exception:  # not a URL SQLAlchemy reads: MLflow's own error names it
+        return None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return os.path.dirname(os.path.abspath(database))
 
 
 def check_replayable(lake: Lake, run_id: str, to_run_id: str | None = None) -> None:

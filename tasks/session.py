@@ -183,7 +183,8 @@ def default_run_id(cfg: Config) -> str:
 
 def task_prompts(cfg: Config, tokenizer, warn: bool = False) -> tuple[list, list, list, list]:
     """(train prompts, their token ids, held-out prompts, their token ids) of the configured task. `warn` logs what
-    `data.on_bad_row: skip` dropped (once per run: the run's session passes it, the checks before it do not)."""
+    `data.on_bad_row: skip` dropped and the text the policy cannot read or write (`unwritable_text`): once per start
+    of a run, by `check_task` for a new run (before its bootstrap), by the session for a resume."""
     t = cfg.task
     if t.kind == "arithmetic":
         train, held_out = arithmetic.build_splits(t.max_operand, tuple(t.ops), t.n_eval, t.split_seed)
@@ -222,15 +223,74 @@ def task_prompts(cfg: Config, tokenizer, warn: bool = False) -> tuple[list, list
 
     train_prompts, train_ids = encode(train_prompts, "training")
     eval_prompts, eval_ids = encode(eval_prompts, "held-out")
+    if warn:
+        for note in unwritable_text(cfg, tokenizer, train_prompts, train_ids, eval_prompts, eval_ids):
+            logging.getLogger("lockstep").warning(note)
     # worker-side prompt ids index the training list
     train_prompts = [arithmetic.Prompt(i, p.text, p.answer) for i, p in enumerate(train_prompts)]
     return train_prompts, train_ids, eval_prompts, eval_ids
 
 
+def unwritable_text(
+    cfg: Config, tokenizer, train_prompts: list, train_ids: list, eval_prompts: list, eval_ids: list
+) -> list[str]:
+    """Warnings, one line each, of text the policy cannot read or write: characters the tokenizer encodes as its
+    unknown token (the built-in character tokenizer knows a few letters: a dataset's capitals were <unk>), in the
+    prompts or in the reference answers (which no response can then match), and answers longer in tokens than a
+    response may be (`ops: ["*"]` with max_operand 1000 has 7-digit answers, max_new_tokens 6). Either way a
+    reward of 1.0 is out of reach for those prompts, and nothing said so. An answer's tokens are counted after its
+    prompt (prompt + answer less the prompt's ids, `*_ids`): alone, a SentencePiece tokenizer gives it a word-start
+    token more."""
+    notes = []
+    everything = [*train_prompts, *eval_prompts]
+    unk = tokenizer.unk_token_id
+    if unk is not None:
+        chars = {c for p in everything for c in p.text + p.answer}
+        unknown = {c for c in chars if unk in tokenizer(c, add_special_tokens=False)["input_ids"]}
+        hint = (
+            f"the built-in tiny model's character tokenizer knows only {DEFAULT_ALPHABET!r}: give model.path for "
+            "other text"
+            if not cfg.model.path
+            else "use a model whose tokenizer covers the dataset's text"
+        )
+        for what, field, effect in (
+            ("prompts", "text", "the model reads them as <unk>"),
+            ("reference answers", "answer", "no response can match them"),
+        ):
+            found = [unknown & set(getattr(p, field)) for p in everything]
+            if any(found):
+                seen = sorted(set().union(*found))
+                shown = ", ".join(repr(c) for c in seen[:8]) + (", ..." if len(seen) > 8 else "")
+                notes.append(
+                    f"{sum(map(bool, found))} of {len(everything)} {what} hold characters the tokenizer encodes as "
+                    f"its unknown token ({shown}): {effect}; {hint}"
+                )
+    effect = (
+        "no response can hold them, so their reward stays below 1.0"
+        if cfg.task.reward == "arithmetic"
+        else "a response cannot write them out as given (math_verify also takes an equivalent form, which may be "
+        "shorter)"
+    )
+    for prompts, alone, name, field, limit in (
+        (train_prompts, train_ids, "training", "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+        (eval_prompts, eval_ids, "held-out", "eval.max_new_tokens", cfg.eval.max_new_tokens),
+    ):
+        after = tokenizer([p.text + p.answer for p in prompts], add_special_tokens=False)["input_ids"]
+        over = [(len(b) - len(a), p) for a, b, p in zip(alone, after, prompts, strict=True) if len(b) - len(a) > limit]
+        if over:
+            n, p = max(over, key=lambda x: x[0])
+            notes.append(
+                f"{len(over)} of {len(prompts)} {name} answers are longer than {field}={limit} tokens (prompt "
+                f"{p.prompt_id}'s {p.answer!r}: {n} tokens): {effect}; raise {field}"
+            )
+    return notes
+
+
 def check_task(cfg: Config) -> None:
     """The task's prompts build, fit `task.max_prompt_tokens` and fill a batch; raises `InputError`. Run before the
     run exists: a dataset's usable rows are known only once read, and this is where a too-large batch used to fail,
-    after the bootstrap's SFT. The tokenizer is v0's (the bootstrap trains weights only), built or read cheaply."""
+    after the bootstrap's SFT. The tokenizer is v0's (the bootstrap trains weights only), built or read cheaply.
+    Logs `task_prompts`'s warnings: a new run's, before its bootstrap's minutes."""
     if cfg.model.path:
         from transformers import AutoTokenizer
 
@@ -238,7 +298,7 @@ def check_task(cfg: Config) -> None:
     else:
         tokenizer = build_char_tokenizer()
     try:
-        train_prompts, train_ids, _, eval_ids = task_prompts(cfg, tokenizer)
+        train_prompts, train_ids, _, eval_ids = task_prompts(cfg, tokenizer, warn=True)
         iteration_prompt_ids(cfg, len(train_prompts), 0)
     except DatasetError:  # already names the file, the row and what to do
         raise
@@ -586,7 +646,8 @@ def _open_with_trainer(
         restore_trainer(trainer, lake, run_id, version)
         set_aside_unpromoted_rollouts(lake, run_id, version)
 
-    train_prompts, train_ids, eval_prompts, eval_ids = task_prompts(cfg, tokenizer, warn=True)
+    # a new run's were said by `check_task`, before the bootstrap; a resume's are said here
+    train_prompts, train_ids, eval_prompts, eval_ids = task_prompts(cfg, tokenizer, warn=resume)
     iteration_prompt_ids(cfg, len(train_prompts), 0)  # refuses a batch larger than the training set
     spec = WorkerSpec(
         lake_uri=cfg.lake.uri,

@@ -92,6 +92,9 @@ def test_replay_and_audit(tmp_path, capsys, monkeypatch):
     )
     out = json.loads(capsys.readouterr().out)
     assert len(out) == 8 * 4 and {r["policy_version"] for r in out} == {1}
+    shards = {r["shard"] for r in out}  # where each sample came from: a shard of version 1 in the lake
+    assert len(shards) == 8 // 2  # 8 prompts, pipeline.shard_groups 2 per shard
+    assert all(Lake(lake_uri).fs.exists(path) and "/policy_version=1/" in path for path in shards)
     assert cli(["audit", "orig", "--lake", lake_uri, "--version", "0", "--limit", "0", "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)  # version 0 alone (not "from 0 on"); limit 0: every row
     assert len(out) == 8 * 4 and {r["policy_version"] for r in out} == {0}

@@ -29,12 +29,17 @@ REPO = Path(__file__).resolve().parents[2]
 ARITH = str(REPO / "configs" / "arith-tiny.yaml")
 
 
-def replace_flow(monkeypatch, flow, name: str = "train_flow") -> list[str]:
+def replace_flow(monkeypatch, flow, name: str = "train_flow", tracking: bool = False) -> list[str]:
     """The CLI's `train_flow` (flows.train) or `replay_flow` (flows.replay) replaced by `flow`; so is the start of the
     temporary Prefect API server (a unit test starts none), and `flow` is called only after that start-up was waited
-    for (asserted). Returns what happened to the server: "started", then "waited" as the command did each."""
+    for (asserted). The tracking store is not opened unless `tracking` (the config's default is the working
+    directory's mlflow.db). Returns what happened to the server: "started", then "waited" as the command did each."""
     import importlib
 
+    import tasks.preflight
+
+    if not tracking:
+        monkeypatch.setattr(tasks.preflight, "check_tracking", lambda cfg: None)
     server: list[str] = []
 
     def start():
@@ -706,6 +711,9 @@ def test_resume_of_a_bad_frozen_config_names_the_file_in_the_lake(lake_with_run,
     assert "Traceback" not in err
     assert squash(f"{config}") in err and squash(expected) in err  # it named the temporary copy the CLI loads
     assert "/tmp" not in err.replace(str(lake_with_run), "")
+    assert (
+        "overrides" not in err
+    )  # none were given: --lake is set in the copy ("invalid config ... with its overrides")
 
 
 def test_resume_of_an_invalid_run_id_is_one_error_line(lake_with_run, capsys):

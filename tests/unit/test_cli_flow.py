@@ -823,6 +823,16 @@ def test_export_of_version_0_exports_v0_not_the_promoted_version(two_versions, c
     assert exported[-1] == f"{lake}/runs/r1/checkpoints/v000001"
 
 
+@pytest.mark.parametrize("out", ["", "  "])
+def test_export_to_an_empty_out_is_refused_as_such(two_versions, capsys, out):
+    """`--out ""` named the working directory (Path("") is "."): refused with what to give, before anything is read,
+    where it said ' exists and is not empty'."""
+    lake, exported = two_versions
+    assert cli.main(["export", "r1", "--out", out, "--lake", str(lake)]) == 2
+    assert capsys.readouterr().err == "error: --out is empty: give the directory to export into (a new or empty one)\n"
+    assert exported == []
+
+
 def test_an_os_error_names_what_the_system_refused_and_where():
     import errno
 

@@ -1070,3 +1070,21 @@ def test_a_group_of_one_is_named_as_learning_nothing():
         "every advantage is 0 and the policy learns nothing from the rewards; use group_size >= 2"
     ]
     assert inert_settings(load_config(None, ["rollout.group_size=2"])) == []
+
+
+def test_rollout_workers_beyond_an_iterations_chunks_are_named_in_sync_and_periodic():
+    """32 groups in shards of 4 are 8 chunks: a 9th worker of a periodic run never gets one, yet starts and loads the
+    model (64 workers on 2 cores: a first iteration of 42 s against 4-7 s, said by nothing). Async workers take the
+    next batches' chunks too: not named there."""
+    from configs.schema import inert_settings
+
+    eight = ["rollout.prompts_per_iteration=32", "pipeline.shard_groups=4"]
+    assert inert_settings(load_config(None, [*eight, "resources.rollout_workers=8"])) == []
+    for mode in ("periodic", "sync"):
+        assert inert_settings(load_config(None, [*eight, "resources.rollout_workers=9", f"pipeline.mode={mode}"])) == [
+            "resources.rollout_workers is 9 but an iteration has 8 chunk(s) of work (rollout.prompts_per_iteration 32 "
+            "/ pipeline.shard_groups 4): 1 worker(s) would never get one, yet each starts and loads the model; lower "
+            "rollout_workers to 8 or pipeline.shard_groups"
+        ]
+    assert inert_settings(load_config(None, ["rollout.prompts_per_iteration=30", "resources.rollout_workers=8"])) == []
+    assert inert_settings(load_config(None, ["resources.rollout_workers=9", *eight, "pipeline.mode=async"])) == []

@@ -6,6 +6,7 @@ leave exactly the objects and bytes they claim."""
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections import Counter
 
@@ -181,8 +182,9 @@ def test_a_local_lake_is_not_listed(tmp_path, monkeypatch):
 
 
 def test_a_local_lake_must_be_a_folder_or_makeable(tmp_path, monkeypatch):
-    """A file in the lake's place or above it, or a missing folder under one that cannot be written, is refused with
-    the path at fault; nothing is created by the check."""
+    """A file in the lake's place or above it, or a missing folder under one where no folder can be made, is refused
+    with the path at fault; nothing is left by the check (a probe folder of its own name is made and removed there:
+    not the lake's first folder, which a run making its lake, or another check, may be using)."""
     afile = tmp_path / "afile"
     afile.write_text("x")
     Lake(str(tmp_path)).check_reachable()  # an existing folder
@@ -193,13 +195,53 @@ def test_a_local_lake_must_be_a_folder_or_makeable(tmp_path, monkeypatch):
     below = afile / "x" / "lake"
     with pytest.raises(LakeURLError, match=f"^lake '{below}': {afile} \\(above the lake's folder {below}\\) is not a"):
         Lake(str(below)).check_reachable()
-    seen = []
-    monkeypatch.setattr(lake_module.os, "access", lambda path, mode: seen.append((path, mode)) and False)
+    made, removed = [], []
+    real_mkdir, real_rmdir = os.mkdir, os.rmdir
+    monkeypatch.setattr(lake_module.os, "mkdir", lambda path, *a: made.append(path) or real_mkdir(path, *a))
+    monkeypatch.setattr(lake_module.os, "rmdir", lambda path: removed.append(path) or real_rmdir(path))
+    Lake(str(tmp_path / "new" / "lake")).check_reachable()
+    assert made == removed and len(made) == 1  # one probe, removed
+    assert os.path.dirname(made[0]) == str(tmp_path) and os.path.basename(made[0]).startswith(".lockstep-probe-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+    def refused(path, *a):
+        made.append(path)
+        raise PermissionError(13, "Permission denied")
+
+    made.clear()
+    monkeypatch.setattr(lake_module.os, "mkdir", refused)
     Lake(str(tmp_path)).check_reachable()  # an existing lake is read by audit, runs, report: not asked to be writable
-    assert seen == []
-    with pytest.raises(LakeURLError, match=f"{tmp_path / 'new'} does not exist and cannot be made \\({tmp_path} is "):
-        Lake(str(tmp_path / "new")).check_reachable()
-    assert seen == [(str(tmp_path), lake_module.os.W_OK | lake_module.os.X_OK)]
+    assert made == []
+    with pytest.raises(
+        LakeURLError,
+        match=f"{tmp_path / 'new' / 'lake'} does not exist and cannot be made \\(in {tmp_path}: Permission denied\\)",
+    ):
+        Lake(str(tmp_path / "new" / "lake")).check_reachable()
+    assert len(made) == 1
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_lake_under_a_folder_no_one_can_make_folders_in_is_refused():
+    """Permission bits do not tell: root may write anywhere by them, and /proc's are 0555 with mkdir refused to
+    everyone (os.access said yes as root, and `lockstep train` failed in the flow with a bare FileNotFoundError)."""
+    with pytest.raises(LakeURLError, match=r"^lake '/proc/lockstep-lake': /proc/lockstep-lake does not exist and "):
+        Lake("/proc/lockstep-lake").check_reachable()
+
+
+def test_another_remote_store_is_asked_once_and_its_failure_named(fake_store, monkeypatch):
+    """A store that is neither a disk nor an object store (sftp://, hf://) is listed as an object store is, and
+    its error is the lake's (hf:// offline was a huggingface_hub traceback from the flow); no bucket is asked."""
+    monkeypatch.setattr(lake_module, "OBJECT_STORES", lake_module.OBJECT_STORES - {FakeStore.protocol})
+    assert not fake_store.is_object_store and not fake_store.is_local
+    fake_store.check_reachable()  # a new lake on a store that answers
+    assert FakeStore.calls == [("ls", fake_store.root)]
+    FakeStore.ls_error = ConnectionError("Name or service not known")
+    with pytest.raises(
+        LakeURLError,
+        match=r"its store cannot be used \(ConnectionError: Name or service not known\); check the URL, the endpoint "
+        r"and the credentials$",
+    ):
+        fake_store.check_reachable()
 
 
 # ------------------------------------------------------------------------------------------------ object-store writes

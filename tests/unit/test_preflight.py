@@ -551,12 +551,85 @@ def test_tracking_sqlite_store_passes_and_disabled_tracking_is_not_opened(tmp_pa
     assert not (tmp_path / "off.db").exists()
 
 
-def test_cli_train_with_an_unreachable_tracking_server_exits_2_before_the_run_is_written(tmp_path, capsys):
-    # the real flow: open_session checks the store before it writes the run and spends minutes on the bootstrap
+_CHECK_AT_ONCE = """
+import os, sys, time
+from configs.schema import load_config
+from tasks.preflight import check_tracking
+cfg = load_config(sys.argv[1], [f"tracking.uri=sqlite:///{sys.argv[2]}"])
+while not os.path.exists(sys.argv[3]):  # imports done: all start the check at the same moment
+    time.sleep(0.005)
+check_tracking(cfg)
+print("ok")
+"""
+
+
+def test_processes_opening_a_new_sqlite_store_at_once_all_pass(tmp_path):
+    """MLflow creates a new store's tables as it first opens it; two `lockstep train` started together on a new
+    mlflow.db failed one of them ("table latest_metrics already exists", or a migration that found no row to
+    update: 3 runs of 3 by hand). The check takes turns on the store's folder."""
+    import subprocess
+    import sys
+
+    db, go = tmp_path / "store" / "mlflow.db", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHECK_AT_ONCE, ARITH, str(db), str(go)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    time.sleep(0.5)
+    go.touch()
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [out for out, _ in results] == ["ok\n"] * 3, [err[-600:] for _, err in results]
+    assert sorted(p.name for p in db.parent.iterdir()) == ["mlflow.db"]  # the lock leaves no file
+
+
+@pytest.mark.parametrize("flock_error", [OSError(37, "No locks available"), BlockingIOError(11, "held")])
+def test_a_store_whose_folder_takes_no_lock_is_opened_without_one(tmp_path, monkeypatch, flock_error):
+    """A filesystem without flock (Lustre without -o flock, some NFS) or a holder that keeps the lock past
+    `_LOCK_WAIT_S`: the store is opened as before the lock existed, not refused."""
+    import fcntl
+
+    from tasks import preflight
+
+    def flock(fd, op):
+        raise flock_error
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    monkeypatch.setattr(preflight, "_LOCK_WAIT_S", 0.2)
+    db = tmp_path / "mlflow.db"
+    t0 = time.monotonic()
+    check_tracking(load_config(ARITH, [f"tracking.uri=sqlite:///{db}"]))
+    assert db.is_file() and (time.monotonic() - t0 < 30)
+
+
+def test_cli_train_with_an_unreachable_tracking_server_exits_2_before_the_flow(tmp_path, capsys, monkeypatch):
+    """Refused by the CLI before the flow's imports and the temporary Prefect server's start (found in the flow
+    before: `tracking.uri=bogus://x` took 13.8 s to refuse, 6.0 s now, by hand on this machine)."""
+    from tests.unit.test_cli_commands import replace_flow
+
+    server = replace_flow(monkeypatch, lambda **kwargs: pytest.fail("the flow must not start"), tracking=True)
     lake = tmp_path / "lake"
     url = f"http://127.0.0.1:{free_port()}"
     assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}", "-o", f"tracking.uri={url}"]) == 2
     assert squash(f"error: tracking.uri '{url}' cannot be used (MlflowException:") in cli_stderr(capsys)
+    assert server == [] and not lake.exists()
+
+
+def test_a_flow_called_with_an_unreachable_tracking_server_writes_nothing(tmp_path):
+    # the real flow, as a script calls it: open_session checks the store before it writes the run and spends
+    # minutes on the bootstrap
+    from flows.train import train_flow
+
+    lake = tmp_path / "lake"
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(InputError, match=f"^tracking.uri '{url}' cannot be used \\(MlflowException:"):
+        train_flow.fn(config_path=ARITH, overrides=[f"lake.uri={lake}", f"tracking.uri={url}"])
     assert not list(lake.rglob("*.json")), "nothing of the run may be written"
 
 

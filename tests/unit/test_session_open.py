@@ -47,7 +47,7 @@ def opening(tmp_path, tiny_hf, monkeypatch):
     trainer.close()
 
 
-def _open(cfg, lake, trainer, tok, version=None):
+def _open(cfg, lake, trainer, tok, version=None, resume=False):
     return session_module._open_with_trainer(
         cfg,
         lake,
@@ -58,7 +58,7 @@ def _open(cfg, lake, trainer, tok, version=None):
         tok,
         "unused-model-dir",
         False,
-        resume=False,
+        resume=resume,
         run_key="k",
     )
 
@@ -131,6 +131,25 @@ def test_a_resumed_session_sets_aside_the_rollouts_of_versions_never_promoted(op
     assert os.listdir(rollouts) == ["policy_version=0"]
     [aside] = os.listdir(os.path.join(lake.run_dir("r1"), "quarantine"))
     assert os.listdir(os.path.join(lake.run_dir("r1"), "quarantine", aside)) == ["policy_version=1"]
+
+
+def test_a_new_runs_session_leaves_the_task_warnings_to_check_task_and_a_resumes_says_them(opening, caplog):
+    """`check_task` says a new run's task warnings before its bootstrap; its session, which builds the same prompts
+    after it, must not say them again, and a resume (which runs no `check_task`) must say them once."""
+    import logging
+
+    cfg, lake, trainer, tok, events = opening
+    cfg.task.ops, cfg.rollout.max_new_tokens = ["*"], 1  # answers up to 25: 2 tokens
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        session_module.check_task(cfg)
+        assert [r.getMessage().split(" are longer than ")[1][:24] for r in caplog.records] == [
+            "rollout.max_new_tokens=1"
+        ]
+        caplog.clear()
+        _open(cfg, lake, trainer, tok).weights.unlink()  # a new run: v0 saved and promoted here
+        assert caplog.records == []
+        _open(cfg, lake, trainer, tok, version=0, resume=True).weights.unlink()
+    assert [r.getMessage().split(" are longer than ")[1][:24] for r in caplog.records] == ["rollout.max_new_tokens=1"]
 
 
 def test_a_session_that_fails_to_open_closes_its_trainer_and_gives_back_the_lease(tmp_path, monkeypatch):

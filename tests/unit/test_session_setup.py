@@ -320,12 +320,97 @@ def test_held_out_prompts_all_over_the_token_limit_are_refused_before_the_run(tm
     overrides[2] = f"task.dataset={{uri: {tmp_path / 'rows.jsonl'}, eval_uri: {evals}}}"
     cfg = load_config(None, [*overrides, "task.n_eval=2", "task.max_prompt_tokens=40"])
     with caplog.at_level(logging.WARNING, logger="lockstep"):
-        session_module.check_task(cfg)  # the checks before the run do not warn: the run's session does, once
-        assert caplog.text == ""
-        train, _, held, _ = session_module.task_prompts(cfg, build_char_tokenizer(), warn=True)
+        session_module.check_task(cfg)  # a new run's warnings, before its bootstrap (its session does not repeat them)
+        train, _, held, _ = session_module.task_prompts(cfg, build_char_tokenizer())
     assert len(train) == 10 and len(held) == 1 and "1+0?" in held[0].text
     skipped = "1 of 2 held-out prompts skipped: longer than task.max_prompt_tokens=40 (e.g. prompt "
     assert caplog.text.count(skipped) == 1
     evals.write_text("".join(json.dumps({"question": long_q, "answer": "#### 1"}) + "\n" for _ in range(2)))
     with pytest.raises(InputError, match=r"^all 2 held-out prompts exceed task.max_prompt_tokens=40 \(e.g. prompt "):
         session_module.check_task(cfg)
+
+
+def test_answers_longer_than_a_response_may_be_are_warned_of_with_their_count(caplog):
+    """`ops: ["*"]` makes answers of up to 4 digits (40 x 40): with responses of 3 tokens, reward 1.0 was out of reach
+    for every one of them and nothing said so. Counted per split against its own limit (rollout's for training,
+    eval's for held-out), before the run's bootstrap (`check_task`)."""
+    over = ['task.ops=["*"]', "task.max_operand=40", "rollout.max_new_tokens=3", "eval.max_new_tokens=4"]
+    cfg = load_config(None, over)
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        session_module.check_task(cfg)
+    train, _, held, _ = session_module.task_prompts(cfg, build_char_tokenizer())
+    long = [p for p in train if len(p.answer) > 3]  # one token per character
+    assert 0 < len(long) < len(train) and not any(len(p.answer) > 4 for p in held)
+    first = next(p for p in long if len(p.answer) == 4)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{len(long)} of {len(train)} training answers are longer than rollout.max_new_tokens=3 tokens (prompt "
+        f"{first.prompt_id}'s {first.answer!r}: 4 tokens): no response can hold them, so their reward stays below "
+        "1.0; raise rollout.max_new_tokens"
+    ]
+    cfg = load_config(None, [*over, "rollout.max_new_tokens=4"])
+    train, train_ids, held, held_ids = session_module.task_prompts(cfg, build_char_tokenizer())
+    assert session_module.unwritable_text(cfg, build_char_tokenizer(), train, train_ids, held, held_ids) == []
+
+
+def _sentencepiece_like():
+    """A Llama-2-style tokenizer (legacy SentencePiece form): a word-start "▁" prepended to every text, spaces as
+    "▁", digits one token each; "43" alone is ['▁', '4', '3'], after a prompt ending in a space ['4', '3']."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3}
+    for c in "0123456789+-*=?:.,#QAabcdefghijklmnopqrstuvwxyz\n":
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_an_answers_tokens_are_counted_after_its_prompt_not_alone():
+    """Alone, a SentencePiece tokenizer gives an answer a word-start token more than the response needs: every
+    2-digit answer of the demo was said to be too long for 2 new tokens, though 2 tokens write it (reward 1.0)."""
+    from models.arithmetic import reward
+
+    tok = _sentencepiece_like()
+    cfg = load_config(None, ["rollout.max_new_tokens=2", "eval.max_new_tokens=2"])
+    train, train_ids, held, held_ids = session_module.task_prompts(cfg, tok)
+    two = next(p for p in train if len(p.answer) == 2)
+    assert len(tok(two.answer, add_special_tokens=False)["input_ids"]) == 3  # alone: '▁' and two digits
+    written = tok.decode([tok.convert_tokens_to_ids(c) for c in two.answer])  # the 2 tokens a response would hold
+    assert reward(written, two.answer) == 1.0
+    assert session_module.unwritable_text(cfg, tok, train, train_ids, held, held_ids) == []
+    cfg = load_config(None, ["rollout.max_new_tokens=1", "eval.max_new_tokens=2"])
+    notes = session_module.unwritable_text(cfg, tok, train, train_ids, held, held_ids)
+    assert len(notes) == 1 and notes[0].startswith(
+        f"{sum(len(p.answer) > 1 for p in train)} of {len(train)} training answers are longer than "
+        "rollout.max_new_tokens=1 tokens"
+    )
+
+
+def test_text_the_tokenizer_cannot_encode_is_warned_of_in_prompts_and_in_answers(tmp_path):
+    """The built-in character tokenizer knows a few letters: a dataset's capitals were <unk> to the model, and an
+    answer holding one could never be written. Each is counted, with the characters at fault and what to do."""
+    questions = ["what is 1+1?", "What is 2+2?", "Is 3 > 2?", "name 7"]
+    path = tmp_path / "rows.jsonl"
+    rows = [
+        *({"question": q, "answer": "#### 5"} for q in questions[:3]),
+        {"question": questions[3], "answer": "#### X7"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
+    cfg = load_config(
+        None, ["task.kind=dataset", "task.n_shots=0", f"task.dataset={{uri: {path}}}", "task.n_eval=2",
+               "rollout.prompts_per_iteration=2", "task.reward=math_verify"]
+    )  # fmt: skip
+    train, train_ids, held, held_ids = session_module.task_prompts(cfg, build_char_tokenizer())
+    assert len(train) + len(held) == 12
+    with_caps = sum(1 for p in [*train, *held] if any(c in p.text for c in "WI>"))
+    assert with_caps == 6  # "What ...", "Is 3 > 2?" (and ">": not in the alphabet either), three times each
+    alphabet = "'0123456789+-*=?:. \\nQAabcdefghijklmnopqrstuvwxyz,#'"
+    hint = f"the built-in tiny model's character tokenizer knows only {alphabet}: give model.path for other text"
+    assert session_module.unwritable_text(cfg, build_char_tokenizer(), train, train_ids, held, held_ids) == [
+        f"6 of 12 prompts hold characters the tokenizer encodes as its unknown token ('>', 'I', 'W'): the model "
+        f"reads them as <unk>; {hint}",
+        f"3 of 12 reference answers hold characters the tokenizer encodes as its unknown token ('X'): no response "
+        f"can match them; {hint}",
+    ]
