@@ -2,14 +2,16 @@
 
 `rollouts` has one row per sample (the shard columns, plus `sample_id`, the trainer's `advantage` and the
 shard path); `shards` one row per shard. Both are written with `merge_insert` on stable ids, so a retried or
-resumed write never duplicates a row. After each promoted version the tables are tagged `v{version}`;
-every `compact_every` versions they are compacted. Written once per iteration, off the training hot path.
+resumed write never duplicates a row. After each promoted version the tables are tagged `v{version}` (where
+LanceDB writes its tags in place: `tags_in_place`); every `compact_every` versions they are compacted. Written once per iteration, off the training hot path.
 LanceDB does not survive fork: processes that open it must be spawned.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import string
 import threading
 
 import pyarrow as pa
@@ -19,6 +21,12 @@ from storage.lake import Lake
 ROLLOUTS = "rollouts"
 SHARDS = "shards"
 _HEAVY = ("prompt_ids", "behavior_logprobs")  # kept in the shards; the catalog keeps what audits read
+# The characters LanceDB 0.40 (Lance 14) writes a table's tags under as they are: it percent-encodes every other one
+# in the tags' path only (lance-format/lance PR #4442), so the tags of a catalog in `/data/a#b/lake` or `/data/lake
+# é` went to a sibling folder `/data/a%23b/...`, outside the lake, while its rows stayed in place. Found by tagging
+# a table under a folder named with each ASCII punctuation character and 'é', one at a time.
+_TAG_SAFE = frozenset(string.ascii_letters + string.digits + " -._/!$&'()+,;=:@")
+_untagged_warned: set[str] = set()
 
 
 def catalog_uri(lake: Lake, run_id: str) -> str | None:
@@ -28,6 +36,11 @@ def catalog_uri(lake: Lake, run_id: str) -> str | None:
     if lake.is_object_store:
         return lake.url(f"{lake.run_dir(run_id)}/catalog")
     return None
+
+
+def tags_in_place(uri: str) -> bool:
+    """LanceDB writes the version tags of a catalog at `uri` inside it (see `_TAG_SAFE`)."""
+    return set(uri) <= _TAG_SAFE
 
 
 def import_in_background() -> threading.Thread:
@@ -76,11 +89,21 @@ def write_iteration(uri: str, samples: pa.Table, shards: pa.Table, version: int,
     samples = samples.drop_columns([c for c in _HEAVY if c in samples.column_names])
     _upsert(db, ROLLOUTS, samples, "sample_id")
     _upsert(db, SHARDS, shards, "path")
+    tag = tags_in_place(uri)
+    if not tag and uri not in _untagged_warned:  # once per catalog and process
+        _untagged_warned.add(uri)
+        logging.getLogger("lockstep").warning(
+            "the catalog at %s is not tagged per version: LanceDB would write its tags outside the lake, in a "
+            "folder named with the path's characters percent-encoded (%s); audits by version read the rows' "
+            "policy_version and are unaffected. A lake path of letters, digits and %s keeps the tags",
+            uri,
+            ", ".join(repr(c) for c in sorted(set(uri) - _TAG_SAFE)),
+            '" -._/!$&\'()+,;=:@"',
+        )
     for name in (ROLLOUTS, SHARDS):
         tbl = db.open_table(name)
-        tag = f"v{version}"
-        if tag not in tbl.tags.list():
-            tbl.tags.create(tag, tbl.version)
+        if tag and f"v{version}" not in tbl.tags.list():
+            tbl.tags.create(f"v{version}", tbl.version)
         if compact_every and version % compact_every == 0:
             tbl.optimize()
 

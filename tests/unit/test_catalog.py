@@ -94,6 +94,28 @@ def test_query_filters_rows_and_selects_columns(tmp_path):
     assert narrow.column_names == ["sample_id"] and narrow.num_rows == 64
 
 
+@pytest.mark.parametrize("folder", ["a#b", "lake é", "x~y"])
+def test_a_catalog_whose_path_lancedb_would_tag_elsewhere_writes_nothing_outside_it(tmp_path, caplog, folder):
+    """LanceDB 0.40 percent-encodes a path's '#', 'é', '~', ... in its tags' path only: the tags of a catalog under
+    `a#b/` were written to a sibling `a%23b/`, outside the lake. Such a catalog is not tagged (said once); its rows
+    and audits are whole, and nothing appears beside the lake."""
+    import logging
+
+    lake = tmp_path / folder
+    uri = str(lake / "runs" / "r" / "catalog")
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        for k in (0, 1):
+            catalog.write_iteration(uri, _samples(k), _shards(k), version=k + 1, compact_every=1)
+    assert [p.name for p in tmp_path.iterdir()] == [folder]
+    assert not catalog.tags_in_place(uri)
+    assert catalog.query(uri, where="iteration = 1").num_rows == 32 and catalog.query(uri).num_rows == 64
+    assert lancedb.connect(uri).open_table(catalog.ROLLOUTS).tags.list() == {}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"the catalog at {uri} is not tagged per version: LanceDB would write its tags outside")
+    assert catalog.tags_in_place(str(tmp_path / "my lake (2)" / "runs" / "r-1_x" / "catalog"))
+    assert catalog.tags_in_place("s3://bucket/lake/runs/r/catalog")
+
+
 def test_a_version_tag_shows_the_rows_of_that_version(tmp_path):
     """`v{version}` is taken after the iteration's upserts: checking it out gives the catalog as it was when that
     version was promoted."""
