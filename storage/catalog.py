@@ -3,8 +3,8 @@
 `rollouts` has one row per sample (the shard columns, plus `sample_id`, the trainer's `advantage` and the
 shard path); `shards` one row per shard. Both are written with `merge_insert` on stable ids, so a retried or
 resumed write never duplicates a row. After each promoted version the tables are tagged `v{version}` (where
-LanceDB writes its tags in place: `tags_in_place`); every `compact_every` versions they are compacted. Written once per iteration, off the training hot path.
-LanceDB does not survive fork: processes that open it must be spawned.
+LanceDB writes its tags in place: `tags_in_place`); every `compact_every` versions they are compacted. Written once
+per iteration, off the training hot path. LanceDB does not survive fork: processes that open it must be spawned.
 """
 
 from __future__ import annotations

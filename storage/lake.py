@@ -144,8 +144,8 @@ class Lake:
         AWS_ENDPOINT_URL for an S3-compatible one), refused credentials, or a bucket that does not exist is a
         LakeURLError naming the lake, before a command's work, not a botocore traceback part-way; another remote
         store (sftp://, hf:// offline) is listed the same way. On a local disk, the lake's folder is a folder or
-        can be made (no file in its place or above it; a missing one's first folder is made and removed). Nothing
-        is left written."""
+        can be made (no file in its place or above it; for a missing one, a probe folder is made in its nearest
+        existing folder and removed). Nothing is left written."""
         if self.is_local:
             _check_local_folder(self.uri, self.root)
             return
