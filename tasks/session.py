@@ -265,7 +265,7 @@ def unwritable_text(
                     f"{sum(map(bool, found))} of {len(everything)} {what} hold characters the tokenizer encodes as "
                     f"its unknown token ({shown}): {effect}; {hint}"
                 )
-    effect = (
+    too_long = (
         "no response can hold them, so their reward stays below 1.0"
         if cfg.task.reward == "arithmetic"
         else "a response cannot write them out as given (math_verify also takes an equivalent form, which may be "
@@ -281,7 +281,7 @@ def unwritable_text(
             n, p = max(over, key=lambda x: x[0])
             notes.append(
                 f"{len(over)} of {len(prompts)} {name} answers are longer than {field}={limit} tokens (prompt "
-                f"{p.prompt_id}'s {p.answer!r}: {n} tokens): {effect}; raise {field}"
+                f"{p.prompt_id}'s {p.answer!r}: {n} tokens): {too_long}; raise {field}"
             )
     return notes
 

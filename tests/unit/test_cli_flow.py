@@ -472,10 +472,17 @@ def test_train_reports_the_summary_and_prints_the_run_and_its_summary_path(monke
     assert capsys.readouterr().err.startswith(f"starting run r2 in lake {tmp_path / 'lake'}\n")
 
 
-def test_train_warns_of_a_setting_its_run_will_not_read_and_still_runs(monkeypatch, capsys, tmp_path):
+def _warned(monkeypatch, capsys, tmp_path, *overrides: str) -> str:
+    """The stderr of a `lockstep train` of the demo config with `overrides` (the flow replaced, its summary
+    returned), which must still run (exit 0)."""
     _flow_returning(monkeypatch, SUMMARY)
-    assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}", "-o", "algorithm.is_cap=3"]) == 0
-    err = cli_stderr(capsys)
+    given = [a for o in overrides for a in ("-o", o)]
+    assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}", *given]) == 0
+    return cli_stderr(capsys)
+
+
+def test_train_warns_of_a_setting_its_run_will_not_read_and_still_runs(monkeypatch, capsys, tmp_path):
+    err = _warned(monkeypatch, capsys, tmp_path, "algorithm.is_cap=3")
     assert err.startswith(
         squash(
             "warning: algorithm.is_cap is set but has no effect: pipeline.mode is 'periodic', and only async mode's "
@@ -491,9 +498,7 @@ def test_train_warns_of_more_threads_than_cores_and_still_runs(monkeypatch, caps
     import os
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    _flow_returning(monkeypatch, SUMMARY)
-    assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}", "-o", "resources.train_threads=2"]) == 0
-    err = cli_stderr(capsys)
+    err = _warned(monkeypatch, capsys, tmp_path, "resources.train_threads=2")
     assert err.startswith(
         squash(
             "warning: resources run 3 torch threads at once (1 rollout worker(s) x 1 rollout_threads, 1 trainer "
@@ -501,8 +506,7 @@ def test_train_warns_of_more_threads_than_cores_and_still_runs(monkeypatch, caps
         )
     )
     assert err.count("warning:") == 1
-    assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}"]) == 0  # the demo's 1 + 1
-    assert "warning:" not in cli_stderr(capsys)
+    assert "warning:" not in _warned(monkeypatch, capsys, tmp_path)  # the demo's 1 + 1
 
 
 def test_the_thread_budget_counts_what_runs_at_once_and_only_on_a_cpu(monkeypatch):
