@@ -334,7 +334,13 @@ class PipelineSection(_Section):
         "every version from its promoted checkpoint, written first).",
     )
     catalog: bool = Field(True, description="Index every trained sample and shard in the run's LanceDB catalog.")
-    catalog_compact_every: int = Field(10, ge=0, description="Compact the catalog every N versions (0: never).")
+    catalog_compact_every: int = Field(
+        10,
+        ge=0,
+        description="Compact the catalog at versions N, 2N, 4N, 8N, ... (0: never): each compaction rewrites the whole "
+        "table, and the per-version tags keep what it replaced, so doubling intervals keep the catalog's size linear "
+        "in the run's length.",
+    )
 
 
 class ResourcesSection(_Section):

@@ -1,8 +1,10 @@
 """The LanceDB audit catalog: upserts on stable ids (a retried write never duplicates), indexed merge keys, version
 tags that show the rows of their version, one catalog per run (none on memory://), filtered queries, compaction
-every `compact_every` versions (0: never)."""
+at versions `compact_every` x 1, 2, 4, ... (0: never) that keeps the catalog's bytes linear in the run's length."""
 
 from __future__ import annotations
+
+import os
 
 import lancedb
 import pyarrow as pa
@@ -141,6 +143,44 @@ def test_compaction_every_n_versions_and_never_with_zero(tmp_path, compact_every
     assert fragments[:2] == [1, 2]
     assert fragments[2] < 3 if compact_every else fragments[2] == 3
     assert catalog.query(uri).num_rows == 96
+
+
+def test_compactions_at_doubling_versions_keep_the_catalog_linear_in_the_run_length(tmp_path):
+    """Every version's tag keeps the files a compaction replaced, and a compaction rewrites the whole table: after
+    each version (`compact_every=1` before) the catalog grew with the square of its versions (3.5x from 32 to 64
+    versions here); at versions 1, 2, 4, ... it doubles with them."""
+    uri = str(tmp_path / "catalog")
+    size = {}
+    for k in range(64):
+        catalog.write_iteration(uri, _samples(k), _shards(k), version=k + 1, compact_every=1)
+        if k + 1 in (32, 64):
+            size[k + 1] = sum(os.path.getsize(f"{d}/{f}") for d, _, files in os.walk(uri) for f in files)
+    assert 1.8 < size[64] / size[32] < 2.5, size
+    assert [v for v in range(1, 65) if catalog.compacts(v, 1)] == [1, 2, 4, 8, 16, 32, 64]
+    assert [v for v in range(1, 200) if catalog.compacts(v, 10)] == [10, 20, 40, 80, 160]
+    assert not any(catalog.compacts(v, 0) for v in range(1, 100))
+    assert catalog.query(uri).num_rows == 64 * 32
+    table = lancedb.connect(uri).open_table(catalog.ROLLOUTS)
+    assert table.stats()["fragment_stats"]["num_fragments"] <= 2  # compacted after version 64
+    assert len(table.tags.list()) == 64
+
+
+def test_a_tag_that_exists_is_kept_and_a_tag_that_cannot_be_made_is_raised(tmp_path, monkeypatch):
+    uri = str(tmp_path / "catalog")
+    catalog.write_iteration(uri, _samples(0), _shards(0), version=1, compact_every=0)
+    table = lancedb.connect(uri).open_table(catalog.ROLLOUTS)
+    tagged = table.tags.get_version("v1")
+    catalog.write_iteration(uri, _samples(0, 0.75), _shards(0), version=1, compact_every=0)  # cataloged again
+    table = lancedb.connect(uri).open_table(catalog.ROLLOUTS)
+    assert table.tags.get_version("v1") == tagged  # the first write's version, as before the retry
+    assert {r["reward"] for r in catalog.query(uri).to_pylist()} == {0.75}
+
+    def refused(self, tag, version):
+        raise RuntimeError("lance error: IO error: permission denied")
+
+    monkeypatch.setattr(lancedb.table.Tags, "create", refused)
+    with pytest.raises(RuntimeError, match="permission denied"):
+        catalog.write_iteration(uri, _samples(1), _shards(1), version=2, compact_every=0)
 
 
 def test_a_query_of_a_table_not_written_yet_names_it(tmp_path):
