@@ -3,13 +3,14 @@
 shards each, with the demo's row sizes (a 6-shot prompt's text, a short response, its token ids and versions), in a
 temporary folder; nothing else runs. The writes' time and the catalog's bytes as the run grows show how they scale.
 
-With `--against DIR` (another checkout of lockstep, e.g. `git worktree add DIR COMMIT` with its `.venv` linked), the
-same series is written by that checkout's code too, one checkout after the other (this one first), in processes of
-their own.
+With `--against DIR` (another checkout of lockstep, e.g. `git worktree add DIR COMMIT`), the same series is written by
+that checkout's `storage` package too, one checkout after the other (this one first), each in a process of its own
+that runs this checkout's interpreter and libraries (LanceDB's version is this environment's for both).
 
 Prints one JSON line per `--window` iterations and checkout (`tree`: this one or DIR): `iteration`, `ms_per_iteration`
-(mean write time over the window), `slowest_ms`, `catalog_mb` (bytes on disk at its end) and `query_ms` (a query of one
-version's rows, `policy_version = iteration // 2`, as `lockstep audit --version` makes).
+(mean write time over the window), `slowest_ms`, `catalog_mb` (bytes on disk at its end) and `query_ms` (one query of
+one version's rows, `policy_version = iteration // 2`, as `lockstep audit --version` makes: a single call that
+connects and opens the table as the command does, so it varies by tens of percent from one window to the next).
 
     .venv/bin/python -m benchmarks.catalog [--iterations 1500] [--window 300] [--samples 256] [--against DIR]
 """
@@ -49,7 +50,7 @@ def _tables(iteration: int, samples: int):
             "response_text": [" 79\n"] * n,
             "worker": [i % 2 for i in range(n)],
             "seed": list(range(iteration * n, (iteration + 1) * n)),
-            "shard": [f"bench/rollouts/it{iteration}/shard-{i // 32}.arrow" for i in range(n)],
+            "shard": [f"bench/rollouts/it{iteration}/shard-{i * 8 // n}.arrow" for i in range(n)],
         }
     )
     shards = pa.table(
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         other = Path(args.against).resolve()
         if not (other / "storage" / "catalog.py").is_file():
             ap.error(f"--against {args.against}: not a checkout of lockstep (no storage/catalog.py there)")
+        if other == REPO:
+            ap.error(f"--against {args.against}: this checkout itself; give another one")
         trees.append(other)
     with tempfile.TemporaryDirectory(prefix="lockstep-catalog-bench-") as work:
         for tree in trees:

@@ -338,8 +338,8 @@ class PipelineSection(_Section):
         10,
         ge=0,
         description="Compact the catalog at versions N, 2N, 4N, 8N, ... (0: never): each compaction rewrites the whole "
-        "table, and the per-version tags keep what it replaced, so doubling intervals keep the catalog's size linear "
-        "in the run's length.",
+        "table, and the per-version tags keep what it replaced, so compacting at a fixed interval grew the catalog "
+        "with the square of the run's length (README: 'The audit catalog over a long run').",
     )
 
 

@@ -126,9 +126,10 @@ def compacts(version: int, every: int) -> bool:
     rows), and the tag of every version keeps the files each rewrite replaced. Compacting every `every` versions
     therefore kept bytes growing with the square of the run's length (`benchmarks.catalog`: 1,277 MB after 1,500
     iterations of 256 samples, 106 MB with this schedule); at doubling intervals the rewrites add up to about twice
-    the table. The price: the fragments written since the last compaction, which each merge and query reads, number
-    up to half the versions (more time per write late in a long run: README, "The audit catalog over a long run")."""
-    if not every or version % every:
+    the table. What still grows with the square, with a far smaller constant, is the versions' manifests: each lists
+    the fragments written since the last compaction, up to half the versions, and each merge and query reads those
+    fragments (more time per write late in a long run: README, "The audit catalog over a long run")."""
+    if every <= 0 or version <= 0 or version % every:
         return False
     m = version // every
     return m & (m - 1) == 0

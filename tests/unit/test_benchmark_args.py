@@ -125,6 +125,9 @@ def test_unknown_flag_exits_2(module, env):
         ("catalog", ["--iterations", "10", "--window", "11"], "--window 11: must be in [1, 10]"),
         ("catalog", ["--samples", "4"], "--samples 4: must be at least 8"),
         ("catalog", ["--against", "/"], "--against /: not a checkout of lockstep (no storage/catalog.py there)"),
+        ("catalog", ["--against", "."], "--against .: this checkout itself; give another one"),
+        ("catalog", ["--iterations", "0"], "--iterations 0: must be in [1, 100000]"),
+        ("catalog", ["--compact-every", "-1"], "--compact-every -1: must be at least 0"),
     ],
 )
 def test_bad_number_exits_2_naming_the_flag(module, args, message, env, tmp_path):
