@@ -1,5 +1,5 @@
-"""The audit catalog over a long run: `storage.catalog.write_iteration` (upserts, version tags, compaction every
-`--compact-every` as the code schedules it) for `--iterations` synthetic iterations of `--samples` samples and 8
+"""The audit catalog over a long run: `storage.catalog.write_iteration` (upserts, version tags, compaction from
+`--compact-every` on as each checkout schedules it) for `--iterations` synthetic iterations of `--samples` samples and 8
 shards each, with the demo's row sizes (a 6-shot prompt's text, a short response, its token ids and versions), in a
 temporary folder; nothing else runs. The writes' time and the catalog's bytes as the run grows show how they scale.
 
