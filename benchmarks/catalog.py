@@ -1,7 +1,9 @@
-"""The audit catalog over a long run: `storage.catalog.write_iteration` (upserts, version tags, compaction from
-`--compact-every` on as each checkout schedules it) for `--iterations` synthetic iterations of `--samples` samples and 8
-shards each, with the demo's row sizes (a 6-shot prompt's text, a short response, its token ids and versions), in a
-temporary folder; nothing else runs. The writes' time and the catalog's bytes as the run grows show how they scale.
+"""The audit catalog over a long run: `storage.catalog.write_iteration` for `--iterations` synthetic iterations of
+`--samples` samples and 8 shards each, with the demo's row sizes (a 6-shot prompt's text, a short response, its token
+ids and versions), in a temporary folder; nothing else runs. Each iteration is written as a run writes it the first
+time (appended where the checkout's `write_iteration` takes `append`, merged before), tagged, and compacted from
+`--compact-every` on as each checkout schedules it. The writes' time and the catalog's bytes as the run grows show how
+they scale.
 
 With `--against DIR` (another checkout of lockstep, e.g. `git worktree add DIR COMMIT`), the same series is written by
 that checkout's `storage` package too, one checkout after the other (this one first), each in a process of its own
@@ -69,15 +71,19 @@ def _bytes(folder: str) -> int:
 
 def series(uri: str, iterations: int, window: int, samples: int, compact_every: int) -> None:
     """Write the series with the `storage.catalog` on sys.path; one JSON line (without `tree`) per window."""
+    import inspect
+
     import lancedb  # noqa: F401  (imported here: not in the first write's time)
 
     from storage import catalog
 
+    # each iteration written as a run writes it the first time: appended where the checkout can (its flow does)
+    new = {"append": True} if "append" in inspect.signature(catalog.write_iteration).parameters else {}
     total = slowest = 0.0
     for k in range(iterations):
         samples_table, shards = _tables(k, samples)
         t0 = time.perf_counter()
-        catalog.write_iteration(uri, samples_table, shards, version=k + 1, compact_every=compact_every)
+        catalog.write_iteration(uri, samples_table, shards, version=k + 1, compact_every=compact_every, **new)
         dt = time.perf_counter() - t0
         total, slowest = total + dt, max(slowest, dt)
         if (k + 1) % window == 0 or k + 1 == iterations:

@@ -477,7 +477,7 @@ def mark_failed(s, iteration: int, reason: str) -> None:
     ledger.write_record(s.lake, s.run_id, iteration, "failed", reason=reason[:2000])
 
 
-@task(name="audit", cache_policy=NO_CACHE)
+@task(name="audit", cache_policy=NO_CACHE, retries=0)  # not PREFECT_TASKS_DEFAULT_RETRIES: see catalog_iteration
 def audit_task(run_id: str, iteration: int, version: int, figures: dict) -> None:
     """After promotion, off the critical path: the iteration's catalog rows (`pipeline.catalog`) and its Prefect
     markdown report (`tracking.prefect_artifacts`). One task, not two: every task run costs the Prefect server
@@ -495,7 +495,13 @@ def audit_task(run_id: str, iteration: int, version: int, figures: dict) -> None
 
 
 def catalog_iteration(run_id: str, iteration: int, version: int) -> int:
-    """Index the iteration's trained samples (with their advantages) and shards in the LanceDB catalog."""
+    """Index the iteration's trained samples (with their advantages) and shards in the LanceDB catalog.
+
+    Appended when the iteration is later than every iteration the catalog held at the session's first write (a
+    new run's, or those a resumed run trains: none of their rows can be there, since only promoted iterations are
+    cataloged and a run resumes after its last promoted one); merged on their ids otherwise (a promoted iteration
+    whose write a crash cut short, a run whose promotion was undone by hand). Each iteration is written once per
+    session (the audit task is not retried), so an append never repeats one."""
     import pyarrow as pa
 
     from models.objectives import compute_advantages
@@ -535,12 +541,15 @@ def catalog_iteration(run_id: str, iteration: int, version: int) -> int:
                 "policy_version": generated,
             }
         )
+    if s.catalog_last is None:  # after the shards are read: a shard that fails to read leaves no catalog folder
+        s.catalog_last = catalog.last_iteration(uri)
     catalog.write_iteration(
         uri,
         pa.concat_tables(tables),
         pa.Table.from_pylist(shard_rows),
         version,
         compact_every=s.cfg.pipeline.catalog_compact_every,
+        append=iteration > s.catalog_last,
     )
     ledger.annotate(s.lake, run_id, iteration, cataloged=True)
     return sum(t.num_rows for t in tables)

@@ -83,6 +83,7 @@ class RunSession:
     held: list = field(default_factory=list)  # background work held back until `release` (callables)
     local_copies: str | None = None  # this session's local copy of an object-store lake's v0, removed at close
     rollouts: list[PrefectFuture] = field(default_factory=list)  # sync/periodic: the iteration's rollout tasks
+    catalog_last: int | None = None  # the catalog's last iteration at this session's first write (None: not read)
     _unstarted_save: tuple | None = field(default=None, repr=False)  # (version, fn): a write not started yet
     _saver: ThreadPoolExecutor | None = field(default=None, repr=False)
 

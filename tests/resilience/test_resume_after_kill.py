@@ -387,3 +387,9 @@ def test_rollouts_of_a_version_that_never_became_durable_are_set_aside(reference
     diff = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
     assert diff <= 1e-5, f"resumed run differs from the uninterrupted one by {diff}"
     assert len(lake.fs.glob(f"{lake.run_dir(run_id)}/rollouts/*/*/*.arrow")) == ITERS * 4
+    # each sample indexed once; iteration 1 trained again (where the kill fell after its audit, its rows are merged:
+    # the choice itself is tested in test_iteration_tasks, since here the kill came before that audit in a probe run)
+    from storage import catalog
+
+    ids = [r["sample_id"] for r in catalog.query(catalog.catalog_uri(lake, run_id), catalog.ROLLOUTS).to_pylist()]
+    assert len(ids) == len(set(ids)) == ITERS * 8 * 4

@@ -1,4 +1,5 @@
-"""The LanceDB audit catalog: upserts on stable ids (a retried write never duplicates), indexed merge keys, version
+"""The LanceDB audit catalog: appends of new iterations, merges on stable ids (a retried write never duplicates), the
+last iteration it holds, indexed merge keys, version
 tags that show the rows of their version, one catalog per run (none on memory://), filtered queries, compaction
 at versions `compact_every` x 1, 2, 4, ... (0: never), so that the catalog's bytes no longer grow with the square of the
 run's length."""
@@ -28,7 +29,9 @@ def _samples(iteration: int, reward: float = 0.5, run: str = "r") -> pa.Table:
 
 
 def _shards(iteration: int, run: str = "r") -> pa.Table:
-    return pa.table({"path": [f"{run}/s/{iteration}/{i}.arrow" for i in range(2)], "rows": [16, 16]})
+    return pa.table(
+        {"path": [f"{run}/s/{iteration}/{i}.arrow" for i in range(2)], "iteration": [iteration] * 2, "rows": [16, 16]}
+    )
 
 
 def test_upserts_index_the_merge_key_and_never_duplicate(tmp_path):
@@ -50,6 +53,36 @@ def test_upserts_index_the_merge_key_and_never_duplicate(tmp_path):
         assert [(i.index_type, i.columns) for i in table.list_indices()] == [("BTree", [key])]
         assert {"v1", "v2"} <= set(table.tags.list())
     assert catalog.query(uri, catalog.ROLLOUTS, where="iteration = 1", limit=5).num_rows == 5
+
+
+def test_an_appended_iteration_holds_the_rows_a_merge_writes_and_a_merge_still_updates_it(tmp_path):
+    """`append=True` (no row of the iteration in the catalog) adds the rows; the catalog reads as the merged one."""
+    merged, appended = str(tmp_path / "merged"), str(tmp_path / "appended")
+    for k in range(3):
+        catalog.write_iteration(merged, _samples(k, 0.25 * k), _shards(k), version=k + 1)
+        catalog.write_iteration(appended, _samples(k, 0.25 * k), _shards(k), version=k + 1, append=True)
+    for name, key in ((catalog.ROLLOUTS, "sample_id"), (catalog.SHARDS, "path")):
+        a, b = (sorted(catalog.query(uri, name).to_pylist(), key=lambda r: r[key]) for uri in (merged, appended))
+        assert a == b and len(a) == (96 if name == catalog.ROLLOUTS else 6)
+    catalog.write_iteration(appended, _samples(1, 0.9), _shards(1), version=2)  # a retried write: merged
+    rows = catalog.query(appended).to_pylist()
+    assert len(rows) == 96 == len({r["sample_id"] for r in rows})
+    assert sorted({r["reward"] for r in rows}) == [0.0, 0.5, 0.9]
+    # an append reads nothing: of an iteration the catalog holds, it writes the rows twice (the caller's to avoid)
+    catalog.write_iteration(appended, _samples(2, 0.5), _shards(2), version=3, append=True)
+    assert catalog.query(appended).num_rows == 96 + 32
+
+
+def test_the_last_iteration_of_a_catalog_is_read_from_either_table(tmp_path):
+    uri = str(tmp_path / "catalog")
+    assert catalog.last_iteration(uri) == -1  # nothing written yet
+    catalog.write_iteration(uri, _samples(3), _shards(3), version=4)
+    assert catalog.last_iteration(uri) == 3
+    # a write cut short after the samples of iteration 4, before its shards: the samples are there
+    catalog._upsert(lancedb.connect(uri), catalog.ROLLOUTS, _samples(4).drop_columns(["prompt_ids"]), "sample_id")
+    assert catalog.last_iteration(uri) == 4
+    catalog._upsert(lancedb.connect(uri), catalog.SHARDS, _shards(6), "path")  # the shards' column is read too
+    assert catalog.last_iteration(uri) == 6
 
 
 def _fragments(uri: str, name: str) -> int:
@@ -206,6 +239,7 @@ def test_a_catalog_write_cut_short_is_finished_by_the_next(tmp_path):
     db = lancedb.connect(uri)
     db.create_table(catalog.ROLLOUTS, _samples(0, 0.1).drop_columns(["prompt_ids"]))
     shutil.rmtree(f"{uri}/{catalog.ROLLOUTS}.lance/_versions")  # killed inside create_table: no version yet
+    assert catalog.last_iteration(uri) == -1  # its rows are not there
     with pytest.raises(FileNotFoundError, match="the run stopped while writing it"):  # an audit meanwhile
         catalog.query(uri, catalog.ROLLOUTS)
     db.create_table(catalog.SHARDS, _shards(0))  # killed between create_table and create_index

@@ -250,6 +250,51 @@ def test_the_audit_skips_an_iteration_whose_checkpoint_failed(monkeypatch):
     assert cataloged == []
 
 
+def _promoted_with_shards(s, k: int) -> None:
+    """Iteration `k` of run RUN promoted, with two published shards of two groups each in its ledger record."""
+    import pyarrow.ipc as ipc
+
+    shards = []
+    for index in (0, 1):
+        chunk = SimpleNamespace(iteration=k, index=index, prompt_ids=[2 * index, 2 * index + 1])
+        path = _publish(s, chunk, k)
+        with s.lake.fs.open(path, "rb") as f:
+            checksum = ipc.open_file(f).schema.metadata[b"lockstep.sha256"].decode()
+        shards.append({"path": path, "checksum": checksum, "groups": 2})
+    ledger.write_record(
+        s.lake, RUN, k, ("planned", "rolling_out", "trained", "promoted"), shards=shards, promoted_version=k + 1
+    )
+
+
+def test_a_new_iteration_is_appended_to_the_catalog_and_one_it_may_hold_is_merged(tmp_path, monkeypatch):
+    """The first write of a session reads the catalog's last iteration; later iterations are appended (no row of
+    theirs can be there), the others merged on their ids. A session that trains again an iteration the catalog
+    holds (its promotion undone by hand, then resumed) leaves each sample once; appended, it would hold it twice."""
+    from storage import catalog
+
+    s = _session(tmp_path, monkeypatch)
+    s.catalog_last = None
+    appends = []
+    write = catalog.write_iteration
+    monkeypatch.setattr(
+        catalog, "write_iteration", lambda *a, append, **kw: appends.append(append) or write(*a, append=append, **kw)
+    )
+    for k in (0, 1):
+        _promoted_with_shards(s, k)
+        assert iteration.catalog_iteration(RUN, k, k + 1) == 8
+    s.catalog_last = None  # the resumed session: iteration 1 trained again, then iteration 2
+    for k in (1, 2):
+        if k == 2:
+            _promoted_with_shards(s, k)
+        iteration.catalog_iteration(RUN, k, k + 1)
+    uri = catalog.catalog_uri(s.lake, RUN)
+    ids = [r["sample_id"] for r in catalog.query(uri).to_pylist()]
+    assert len(ids) == len(set(ids)) == 3 * 8
+    assert appends == [True, True, False, True] and s.catalog_last == 1
+    assert len(catalog.query(uri, catalog.SHARDS)) == 3 * 2
+    assert [ledger.read_record(s.lake, RUN, k).get("cataloged") for k in range(3)] == [True] * 3
+
+
 def _done(result=None, error: Exception | None = None) -> SimpleNamespace:
     """A finished rollout task's future (the two members the train task uses)."""
     wrapped: concurrent.futures.Future = concurrent.futures.Future()
