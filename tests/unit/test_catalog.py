@@ -1,8 +1,7 @@
 """The LanceDB audit catalog: appends of new iterations, merges on stable ids (a retried write never duplicates), the
-last iteration it holds, indexed merge keys, version
-tags that show the rows of their version, one catalog per run (none on memory://), filtered queries, compaction
-at versions `compact_every` x 1, 2, 4, ... (0: never), so that the catalog's bytes no longer grow with the square of the
-run's length."""
+last iteration it holds, indexed merge keys, version tags that show the rows of their version, one catalog per run
+(none on memory://), filtered queries, compaction at versions `compact_every` x 1, 2, 4, ... (0: never), so that the
+catalog's bytes no longer grow with the square of the run's length."""
 
 from __future__ import annotations
 
