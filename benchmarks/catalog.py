@@ -129,7 +129,7 @@ def _run(tree: Path, args, work: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.common import MAX_ITERATIONS, check_range, parser
+    from benchmarks.common import MAX_ITERATIONS, check_checkout, check_range, parser
 
     ap = parser("benchmarks.catalog", __doc__)
     ap.add_argument("--iterations", type=int, default=1500)
@@ -144,9 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     check_range(ap, "--compact-every", args.compact_every, 0)
     trees = [REPO]
     if args.against is not None:
-        other = Path(args.against).resolve()
-        if not (other / "storage" / "catalog.py").is_file():
-            ap.error(f"--against {args.against}: not a checkout of lockstep (no storage/catalog.py there)")
+        other = check_checkout(ap, args.against, "storage/catalog.py")
         if other == REPO:
             ap.error(f"--against {args.against}: this checkout itself; give another one")
         trees.append(other)

@@ -10,6 +10,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
@@ -57,6 +58,15 @@ def check_dir(ap: argparse.ArgumentParser, path: str | None) -> None:
         ap.error(f"--dir {path}: cannot create {e.filename or path}: {e.strerror or e}")
     if not os.access(path, os.W_OK | os.X_OK):
         ap.error(f"--dir {path}: not writable")
+
+
+def check_checkout(ap: argparse.ArgumentParser, against: str, marker: str) -> Path:
+    """`--against`'s folder, resolved: a usage error unless it holds `marker` (a file every lockstep checkout the
+    benchmark can run has), so a wrong path stops before any work."""
+    other = Path(against).resolve()
+    if not (other / marker).is_file():
+        ap.error(f"--against {against}: not a checkout of lockstep (no {marker} there)")
+    return other
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import abba, check_range, emit, parser
+from benchmarks.common import abba, check_checkout, check_range, emit, parser
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ("first_line_s", "ready_s", "end_s", "first_iteration_s", "second_iteration_s")
@@ -140,9 +140,7 @@ def main() -> None:
     check_range(ap, "--iterations", args.iterations, 2, 39)
     trees = {"this": REPO}
     if args.against is not None:
-        other = Path(args.against).resolve()
-        if not (other / "flows" / "cli.py").is_file():
-            ap.error(f"--against {args.against}: not a checkout of lockstep (no flows/cli.py there)")
+        other = check_checkout(ap, args.against, "flows/cli.py")
         trees[str(other)] = other
     signal.signal(signal.SIGTERM, _exit_on_signal)
     with tempfile.TemporaryDirectory() as tmp:

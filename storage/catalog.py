@@ -70,7 +70,7 @@ def _connect(uri: str):
     return lancedb.connect(uri)
 
 
-def _upsert(db, name: str, table: pa.Table, key: str, append: bool = False) -> None:
+def _write_table(db, name: str, table: pa.Table, key: str, append: bool = False) -> None:
     try:
         tbl = db.open_table(name)
     except ValueError:  # absent, or left without a first version by a crash during its creation
@@ -99,8 +99,8 @@ def write_iteration(
     append's does not (5-6 ms; `rollouts` and `shards` together ~10 ms)."""
     db = _connect(uri)
     samples = samples.drop_columns([c for c in _HEAVY if c in samples.column_names])
-    _upsert(db, ROLLOUTS, samples, "sample_id", append)
-    _upsert(db, SHARDS, shards, "path", append)
+    _write_table(db, ROLLOUTS, samples, "sample_id", append)
+    _write_table(db, SHARDS, shards, "path", append)
     tag = tags_in_place(uri)
     if not tag and uri not in _untagged_warned:  # once per catalog and process
         _untagged_warned.add(uri)

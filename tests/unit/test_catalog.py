@@ -78,9 +78,9 @@ def test_the_last_iteration_of_a_catalog_is_read_from_either_table(tmp_path):
     catalog.write_iteration(uri, _samples(3), _shards(3), version=4)
     assert catalog.last_iteration(uri) == 3
     # a write cut short after the samples of iteration 4, before its shards: the samples are there
-    catalog._upsert(lancedb.connect(uri), catalog.ROLLOUTS, _samples(4).drop_columns(["prompt_ids"]), "sample_id")
+    catalog._write_table(lancedb.connect(uri), catalog.ROLLOUTS, _samples(4).drop_columns(["prompt_ids"]), "sample_id")
     assert catalog.last_iteration(uri) == 4
-    catalog._upsert(lancedb.connect(uri), catalog.SHARDS, _shards(6), "path")  # the shards' column is read too
+    catalog._write_table(lancedb.connect(uri), catalog.SHARDS, _shards(6), "path")  # the shards' column is read too
     assert catalog.last_iteration(uri) == 6
 
 
@@ -249,7 +249,9 @@ def test_a_catalog_write_cut_short_is_finished_by_the_next(tmp_path):
     assert len(catalog.query(uri, catalog.SHARDS).to_pylist()) == 2  # merged into the unindexed table, once
 
     # killed after the samples' upsert of iteration 1, before its shards and tags
-    catalog._upsert(lancedb.connect(uri), catalog.ROLLOUTS, _samples(1, 0.5).drop_columns(["prompt_ids"]), "sample_id")
+    catalog._write_table(
+        lancedb.connect(uri), catalog.ROLLOUTS, _samples(1, 0.5).drop_columns(["prompt_ids"]), "sample_id"
+    )
     catalog.write_iteration(uri, _samples(1, 0.5), _shards(1), version=2)
     rows = catalog.query(uri, catalog.ROLLOUTS).to_pylist()
     assert len(rows) == 64 == len({r["sample_id"] for r in rows})
