@@ -12,7 +12,8 @@ that runs this checkout's interpreter and libraries (LanceDB's version is this e
 Prints one JSON line per `--window` iterations and checkout (`tree`: this one or DIR): `iteration`, `ms_per_iteration`
 (mean write time over the window), `slowest_ms`, `catalog_mb` (bytes on disk at its end) and `query_ms` (one query of
 one version's rows, `policy_version = iteration // 2`, as `lockstep audit --version` makes: a single call that
-connects and opens the table as the command does, so it varies by tens of percent from one window to the next).
+connects and opens the table as the command does, so it varies by tens of percent from one window to the next) and
+`rss_mb` (the writing process's resident memory at the window's end, as the flow's process would hold it).
 
     .venv/bin/python -m benchmarks.catalog [--iterations 1500] [--window 300] [--samples 256] [--against DIR]
 """
@@ -69,6 +70,15 @@ def _bytes(folder: str) -> int:
     return sum(os.path.getsize(f"{d}/{f}") for d, _, files in os.walk(folder) for f in files)
 
 
+def _rss_mb() -> float | None:
+    """This process's resident memory now (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except OSError:
+        return None
+
+
 def series(uri: str, iterations: int, window: int, samples: int, compact_every: int) -> None:
     """Write the series with the `storage.catalog` on sys.path; one JSON line (without `tree`) per window."""
     import inspect
@@ -100,6 +110,7 @@ def series(uri: str, iterations: int, window: int, samples: int, compact_every: 
                         "catalog_mb": round(_bytes(uri) / 2**20, 1),
                         "query_ms": round(1000 * query_s, 1),
                         "query_rows": rows,
+                        "rss_mb": _rss_mb(),
                     }
                 ),
                 flush=True,

@@ -28,6 +28,7 @@ _HEAVY = ("prompt_ids", "behavior_logprobs")  # kept in the shards; the catalog 
 # a table under a folder named with each ASCII punctuation character and 'é', one at a time.
 _TAG_SAFE = frozenset(string.ascii_letters + string.digits + " -._/!$&'()+,;=:@")
 _untagged_warned: set[str] = set()
+_malloc_trim = None  # glibc's, once looked up (False: this C library has none)
 
 
 def catalog_uri(lake: Lake, run_id: str) -> str | None:
@@ -97,6 +98,12 @@ def write_iteration(
     ids, which reads every fragment written since the last compaction: a merge's time grows with them (256-row
     iterations, never compacted: 30 ms per iteration over the first 100, 204 ms over iterations 401-500), an
     append's does not (5-6 ms; `rollouts` and `shards` together ~10 ms)."""
+    _write(uri, samples, shards, version, compact_every, append)
+    if compacts(version, compact_every):  # after `_write` has closed the tables: their buffers are free by then
+        release_heap()
+
+
+def _write(uri: str, samples: pa.Table, shards: pa.Table, version: int, compact_every: int, append: bool) -> None:
     db = _connect(uri)
     samples = samples.drop_columns([c for c in _HEAVY if c in samples.column_names])
     _write_table(db, ROLLOUTS, samples, "sample_id", append)
@@ -118,6 +125,27 @@ def write_iteration(
             _tag(tbl, f"v{version}")
         if compacts(version, compact_every):
             tbl.optimize()
+
+
+def release_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; False where there is none).
+
+    A compaction reads the whole table (`compacts`), and glibc keeps the freed pages in its heap: the process that
+    writes the catalog (the flow's) grew by about the table's size at each compaction and kept it to the end
+    (`benchmarks.catalog`'s `rss_mb`: README, "The audit catalog over a long run"). Called after a compaction only,
+    a few times per run: a trim walks the whole heap (~6 ms in the flow's process)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+
+        try:  # the symbols the process has loaded: glibc's on Linux
+            _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", False)
+        except (OSError, TypeError):  # no such handle (Windows)
+            _malloc_trim = False
+    if not _malloc_trim:
+        return False
+    _malloc_trim(0)
+    return True
 
 
 def last_iteration(uri: str) -> int:
