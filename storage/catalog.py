@@ -99,7 +99,9 @@ def write_iteration(
     iterations, never compacted: 30 ms per iteration over the first 100, 204 ms over iterations 401-500), an
     append's does not (5-6 ms; `rollouts` and `shards` together ~10 ms)."""
     _write(uri, samples, shards, version, compact_every, append)
-    if compacts(version, compact_every):  # after `_write` has closed the tables: their buffers are free by then
+    # once `_write` has returned: its connection and tables go with its frame, and their buffers with them (a trim
+    # while they were still open gave back little: README, "The audit catalog over a long run")
+    if compacts(version, compact_every):
         release_heap()
 
 
@@ -130,10 +132,12 @@ def _write(uri: str, samples: pa.Table, shards: pa.Table, version: int, compact_
 def release_heap() -> bool:
     """Give the C heap's free pages back to the system (glibc's `malloc_trim`; False where there is none).
 
-    A compaction reads the whole table (`compacts`), and glibc keeps the freed pages in its heap: the process that
-    writes the catalog (the flow's) grew by about the table's size at each compaction and kept it to the end
-    (`benchmarks.catalog`'s `rss_mb`: README, "The audit catalog over a long run"). Called after a compaction only,
-    a few times per run: a trim walks the whole heap (~6 ms in the flow's process)."""
+    A compaction reads the whole table (`compacts`), and glibc kept the pages it freed in its heap: the process that
+    writes the catalog (the flow's) grew at each compaction and held it (`benchmarks.catalog`'s `rss_mb`, 256-sample
+    iterations: +26-28, +46-58 and +57-65 MB at versions 640, 1,280 and 2,560; README, "The audit catalog over a long
+    run"). Called after a compaction only,
+    a few times per run: a trim walks the whole heap (~6 ms in the flow's process). With another allocator preloaded
+    (jemalloc, tcmalloc) it trims only what glibc still holds."""
     global _malloc_trim
     if _malloc_trim is None:
         import ctypes
