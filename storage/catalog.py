@@ -135,9 +135,8 @@ def release_heap() -> bool:
     A compaction reads the whole table (`compacts`), and glibc kept the pages it freed in its heap: the process that
     writes the catalog (the flow's) grew at each compaction and held it (`benchmarks.catalog`'s `rss_mb`, 256-sample
     iterations: +26-28, +46-58 and +57-65 MB at versions 640, 1,280 and 2,560; README, "The audit catalog over a long
-    run"). Called after a compaction only,
-    a few times per run: a trim walks the whole heap (~6 ms in the flow's process). With another allocator preloaded
-    (jemalloc, tcmalloc) it trims only what glibc still holds."""
+    run"). Called after a compaction only, a few times per run: a trim walks the whole heap (~6 ms in the flow's
+    process). With another allocator preloaded (jemalloc, tcmalloc) it trims only what glibc still holds."""
     global _malloc_trim
     if _malloc_trim is None:
         import ctypes
