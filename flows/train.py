@@ -39,7 +39,7 @@ from tasks.iteration import (
     train_task,
 )
 from tasks.session import RunSession, open_session, unregister
-from tasks.workers import signal_handled
+from tasks.workers import resident_mb, signal_handled
 
 # Called as a library (not through the CLI), the flow's first call starts Prefect's temporary API server: this makes it
 # lockstep's (deaf to a Ctrl-C to the group, stopped when this process dies), as the CLI's is
@@ -141,6 +141,10 @@ def _iteration(s: RunSession, k: int) -> dict:
     figures["time/orchestration_s"] = orchestration
     figures["time/storage_s"] = s.storage_s
     figures["time/tracking_s"] = tracking
+    # memory over a long run (a leak shows here): this process (flow, trainer, catalog, tracking) and the rollout
+    # workers'; left out where /proc is not there (~13 us a read)
+    memory = {"mem/rss_mb": resident_mb(), "mem/rollout_workers_rss_mb": s.pool.resident_mb()}
+    figures.update({key: v for key, v in memory.items() if v is not None})
     s.tracker.log_metrics(
         {
             key: figures[key]
@@ -151,6 +155,7 @@ def _iteration(s: RunSession, k: int) -> dict:
                 "time/orchestration_s",
                 "time/storage_s",
                 "time/tracking_s",
+                *(key for key in memory if key in figures),
             )
         },
         step=k,

@@ -500,6 +500,16 @@ class _ClosedQueue:
 _CLOSED = _ClosedQueue()
 
 
+def resident_mb(pid: int | None = None) -> float | None:
+    """A process's resident memory in MB (2**20 bytes; this process's by default), from Linux's /proc: None on
+    systems without it, or for a process that is gone."""
+    try:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _terminate(procs: list) -> None:
     for p in procs:
         if p.is_alive():
@@ -543,6 +553,12 @@ class WorkerPool:
         if wait_ready:
             for w in range(n_workers):
                 self._await_ready(w)
+
+    def resident_mb(self) -> float | None:
+        """The workers' processes' resident memory in MB, summed (a vLLM engine's own processes are not counted);
+        None where /proc is not there or a worker is gone."""
+        sizes = [resident_mb(p.pid) for p in self.procs]
+        return None if None in sizes else sum(sizes)
 
     def _await_ready(self, w: int) -> None:
         if not self.ready[w]:

@@ -121,6 +121,11 @@ def test_two_iterations_through_prefect(tmp_path):
     # once its rollouts were in, each batch finished with the idle worker's thread too (1 + 1 on 2 cores)
     threads = client.get_metric_history(run.info.run_id, "train/threads")
     assert [m.value for m in threads] == [float(min(os.cpu_count(), 2))] * 2
+    # memory per iteration: the flow's process holds torch and the model, each worker its engine and weights
+    if os.path.exists("/proc/self/statm"):
+        for name in ("mem/rss_mb", "mem/rollout_workers_rss_mb"):
+            values = [m.value for m in client.get_metric_history(run.info.run_id, name)]
+            assert len(values) == 2 and all(100 < v < 20_000 for v in values), (name, values)
     # on-policy: the trainer's log-probs of the sampled tokens equal the engine's
     mismatch = client.get_metric_history(run.info.run_id, "mismatch/logp_abs")
     assert max(m.value for m in mismatch) < 1e-4

@@ -384,7 +384,7 @@ def test_an_async_run_plans_max_staleness_batches_ahead_before_its_first_iterati
 # ------------------------------------------------------------------------------------------------ one iteration
 
 
-def _one_iteration(monkeypatch, k: int, iterations: int, every: int):
+def _one_iteration(monkeypatch, k: int, iterations: int, every: int, workers_mb: float | None = 321.5):
     cfg = load_config(
         None,
         [
@@ -398,7 +398,10 @@ def _one_iteration(monkeypatch, k: int, iterations: int, every: int):
     )
     logged = []
     tracker = SimpleNamespace(seconds=0.0, log_metrics=lambda m, step: logged.append((dict(m), step)))
-    s = SimpleNamespace(run_id="r", cfg=cfg, tracker=tracker, storage_s=0.0, release=lambda: None, rollouts=[])
+    pool = SimpleNamespace(resident_mb=lambda: workers_mb)
+    s = SimpleNamespace(
+        run_id="r", cfg=cfg, tracker=tracker, storage_s=0.0, release=lambda: None, rollouts=[], pool=pool
+    )
     result = {"busy_s": 1.0, "storage_s": 0.0, "load_s": 0.0, "shards": [{"gen_tokens": 100}]}
     rollout = SimpleNamespace(wait=lambda: None, result=lambda: result)
     monkeypatch.setattr(train_mod, "plan_task", lambda run_id, k: {"groups": [], "body_s": 0.0})
@@ -423,6 +426,19 @@ def test_an_iteration_evaluates_its_version_every_few_iterations_but_not_the_las
     assert fig["perf/samples_per_s"] == pytest.approx(32 / fig["time/iteration_s"])
     fig, logged = _one_iteration(monkeypatch, k=3, iterations=4, every=2)  # the flow's final evaluation does it
     assert "eval/accuracy" not in fig and not any("eval/accuracy" in m for m, _ in logged)
+
+
+def test_an_iteration_logs_the_memory_of_the_flows_process_and_of_the_rollout_workers(monkeypatch):
+    monkeypatch.setattr(train_mod, "resident_mb", lambda: 1234.5)
+    fig, logged = _one_iteration(monkeypatch, k=0, iterations=4, every=2)
+    assert fig["mem/rss_mb"] == 1234.5 and fig["mem/rollout_workers_rss_mb"] == 321.5
+    assert any(m.get("mem/rss_mb") == 1234.5 and m.get("mem/rollout_workers_rss_mb") == 321.5 for m, _ in logged)
+    # where /proc is not there: left out, not logged as 0
+    monkeypatch.setattr(train_mod, "resident_mb", lambda: None)
+    fig, logged = _one_iteration(monkeypatch, k=0, iterations=4, every=2, workers_mb=None)
+    assert not any(key.startswith("mem/") for key in fig) and not any(
+        k.startswith("mem/") for m, _ in logged for k in m
+    )
 
 
 # ------------------------------------------------------------------------------------------------ train / resume

@@ -408,3 +408,33 @@ def test_a_closed_pool_leaves_no_semaphore_for_a_death_by_signal_to_leak():
     assert out.returncode == -signal.SIGTERM, out.stderr[-3000:]
     assert out.stdout.split() == ["False"] * 9, out.stdout  # three queues, three semaphores each: all gone
     assert "leaked semaphore" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_resident_memory_is_read_per_process_and_summed_over_the_workers():
+    import subprocess
+    from types import SimpleNamespace
+
+    from tasks.workers import resident_mb
+
+    def status_mb(pid="self"):  # the kernel's own figure, in kB
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+    ballast = bytearray(64 * 2**20)  # 64 MB written: resident
+    ours = resident_mb()
+    assert ours > 64 and abs(ours - status_mb()) < 8
+    gone = subprocess.Popen(["sleep", "0"])
+    gone.wait()  # reaped: no /proc entry left
+    assert resident_mb(gone.pid) is None
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        pool = SimpleNamespace(procs=[SimpleNamespace(pid=os.getpid()), SimpleNamespace(pid=alive.pid)])
+        both = WorkerPool.resident_mb(pool)
+        assert abs(both - (status_mb() + status_mb(alive.pid))) < 8 and both > ours
+        pool.procs.append(SimpleNamespace(pid=gone.pid))
+        assert WorkerPool.resident_mb(pool) is None  # a worker gone: no sum of the others passed off as theirs
+    finally:
+        alive.kill()
+        alive.wait()
+    del ballast
