@@ -502,12 +502,13 @@ _CLOSED = _ClosedQueue()
 
 def resident_mb(pid: int | None = None) -> float | None:
     """A process's resident memory in MB (2**20 bytes; this process's by default), from Linux's /proc: None on
-    systems without it, or for a process that is gone."""
+    systems without it, or for a process that is gone (reaped, or a zombie: its pages read 0)."""
     try:
         with open(f"/proc/{pid or 'self'}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+            pages = int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20 if pages else None
 
 
 def _terminate(procs: list) -> None:
@@ -556,7 +557,10 @@ class WorkerPool:
 
     def resident_mb(self) -> float | None:
         """The workers' processes' resident memory in MB, summed (a vLLM engine's own processes are not counted);
-        None where /proc is not there or a worker is gone."""
+        None where /proc is not there, or once the pool is closed or a worker has died (asked through its handle,
+        not its pid, which another process may have by then)."""
+        if self.closed or not all(p.is_alive() for p in self.procs):
+            return None
         sizes = [resident_mb(p.pid) for p in self.procs]
         return None if None in sizes else sum(sizes)
 

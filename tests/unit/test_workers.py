@@ -411,8 +411,10 @@ def test_a_closed_pool_leaves_no_semaphore_for_a_death_by_signal_to_leak():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
-def test_resident_memory_is_read_per_process_and_summed_over_the_workers():
+def test_resident_memory_is_read_per_process_and_summed_over_live_workers_only():
+    import signal
     import subprocess
+    import sys
     from types import SimpleNamespace
 
     from tasks.workers import resident_mb
@@ -421,20 +423,40 @@ def test_resident_memory_is_read_per_process_and_summed_over_the_workers():
         with open(f"/proc/{pid}/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
+    def child():
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
     ballast = bytearray(64 * 2**20)  # 64 MB written: resident
     ours = resident_mb()
     assert ours > 64 and abs(ours - status_mb()) < 8
-    gone = subprocess.Popen(["sleep", "0"])
+    gone = child()
+    gone.kill()
     gone.wait()  # reaped: no /proc entry left
     assert resident_mb(gone.pid) is None
-    alive = subprocess.Popen(["sleep", "30"])
+    zombie = child()
+    alive = child()
     try:
-        pool = SimpleNamespace(procs=[SimpleNamespace(pid=os.getpid()), SimpleNamespace(pid=alive.pid)])
+        time.sleep(0.5)  # the children's interpreters up
+        os.kill(zombie.pid, signal.SIGKILL)  # not waited for: a zombie, whose pages read 0
+        deadline = time.monotonic() + 10
+        while resident_mb(zombie.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert resident_mb(zombie.pid) is None and os.path.exists(f"/proc/{zombie.pid}")
+
+        def handle(pid, live=True):
+            return SimpleNamespace(pid=pid, is_alive=lambda: live)
+
+        pool = SimpleNamespace(closed=False, procs=[handle(os.getpid()), handle(alive.pid)])
         both = WorkerPool.resident_mb(pool)
-        assert abs(both - (status_mb() + status_mb(alive.pid))) < 8 and both > ours
-        pool.procs.append(SimpleNamespace(pid=gone.pid))
-        assert WorkerPool.resident_mb(pool) is None  # a worker gone: no sum of the others passed off as theirs
+        assert abs(both - (status_mb() + status_mb(alive.pid))) < 8 and both > ours + 5
+        # a worker that died, by its handle (its pid may be another process's by now), or a closed pool: no figure
+        assert (
+            WorkerPool.resident_mb(SimpleNamespace(closed=False, procs=[*pool.procs, handle(alive.pid, False)])) is None
+        )
+        assert WorkerPool.resident_mb(SimpleNamespace(closed=True, procs=pool.procs)) is None
+        assert WorkerPool.resident_mb(SimpleNamespace(closed=False, procs=[handle(zombie.pid)])) is None
     finally:
-        alive.kill()
-        alive.wait()
+        for p in (zombie, alive):
+            p.kill()
+            p.wait()
     del ballast
