@@ -71,7 +71,9 @@ def _bytes(folder: str) -> int:
 
 
 def _rss_mb() -> float | None:
-    """This process's resident memory now (Linux's /proc; None elsewhere)."""
+    """This process's resident memory now (Linux's /proc; None elsewhere). Not `tasks.workers.resident_mb`: the series
+    runs on another checkout's packages too, which may not have it, and importing it would load torch into the very
+    process whose memory is measured."""
     try:
         with open("/proc/self/statm") as f:
             return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)

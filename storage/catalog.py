@@ -10,6 +10,7 @@ training hot path. LanceDB does not survive fork: processes that open it must be
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import string
@@ -28,7 +29,6 @@ _HEAVY = ("prompt_ids", "behavior_logprobs")  # kept in the shards; the catalog 
 # a table under a folder named with each ASCII punctuation character and 'é', one at a time.
 _TAG_SAFE = frozenset(string.ascii_letters + string.digits + " -._/!$&'()+,;=:@")
 _untagged_warned: set[str] = set()
-_malloc_trim = None  # glibc's, once looked up (False: this C library has none)
 
 
 def catalog_uri(lake: Lake, run_id: str) -> str | None:
@@ -98,14 +98,14 @@ def write_iteration(
     ids, which reads every fragment written since the last compaction: a merge's time grows with them (256-row
     iterations, never compacted: 30 ms per iteration over the first 100, 204 ms over iterations 401-500), an
     append's does not (5-6 ms; `rollouts` and `shards` together ~10 ms)."""
-    _write(uri, samples, shards, version, compact_every, append)
-    # once `_write` has returned: its connection and tables go with its frame, and their buffers with them (a trim
-    # while they were still open gave back little: README, "The audit catalog over a long run")
-    if compacts(version, compact_every):
+    # the heap released once `_write` has returned: its connection and tables go with its frame, and their buffers
+    # with them (a trim while they were still open gave back little: README, "The audit catalog over a long run")
+    if _write(uri, samples, shards, version, compact_every, append):
         release_heap()
 
 
-def _write(uri: str, samples: pa.Table, shards: pa.Table, version: int, compact_every: int, append: bool) -> None:
+def _write(uri: str, samples: pa.Table, shards: pa.Table, version: int, compact_every: int, append: bool) -> bool:
+    """`write_iteration`'s writes; returns whether the tables were compacted."""
     db = _connect(uri)
     samples = samples.drop_columns([c for c in _HEAVY if c in samples.column_names])
     _write_table(db, ROLLOUTS, samples, "sample_id", append)
@@ -121,12 +121,14 @@ def _write(uri: str, samples: pa.Table, shards: pa.Table, version: int, compact_
             ", ".join(repr(c) for c in sorted(set(uri) - _TAG_SAFE)),
             '" -._/!$&\'()+,;=:@"',
         )
+    compact = compacts(version, compact_every)
     for name in (ROLLOUTS, SHARDS):
         tbl = db.open_table(name)
         if tag:
             _tag(tbl, f"v{version}")
-        if compacts(version, compact_every):
+        if compact:
             tbl.optimize()
+    return compact
 
 
 def release_heap() -> bool:
@@ -137,18 +139,23 @@ def release_heap() -> bool:
     iterations: +26-28, +46-58 and +57-65 MB at versions 640, 1,280 and 2,560; README, "The audit catalog over a long
     run"). Called after a compaction only, a few times per run: a trim walks the whole heap (~6 ms in the flow's
     process). With another allocator preloaded (jemalloc, tcmalloc) it trims only what glibc still holds."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-
-        try:  # the symbols the process has loaded: glibc's on Linux
-            _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", False)
-        except (OSError, TypeError):  # no such handle (Windows)
-            _malloc_trim = False
-    if not _malloc_trim:
+    trim = _malloc_trim()
+    if trim is None:
         return False
-    _malloc_trim(0)
+    trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim` among the symbols the process has loaded; None where the C library has none (macOS,
+    musl) or there is no such handle (Windows)."""
+    import ctypes
+
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):
+        return None
 
 
 def last_iteration(uri: str) -> int:
