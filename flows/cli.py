@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from tasks.workers import PoolClosed
 
@@ -162,12 +163,14 @@ def _progress_bar(console):
     )
 
 
-class _ReplayProgress:
-    """Replay's display on stderr: the bar on a terminal; elsewhere one line every ~5% of the versions and the last.
-    (The versions' figures go to stdout at the end, as a script reads them.)"""
+class _VersionsProgress:
+    """The display of a command that goes over a run's versions (replay, eval), on stderr: the bar on a terminal;
+    elsewhere one line every ~5% of the versions and the last. (The versions' figures go to stdout at the end, as a
+    script reads them.) `info(event)` is a version's figure as the line shows it."""
 
-    def __init__(self, console):
+    def __init__(self, console, name: str, verb: str, info: Callable[[dict], str]):
         self.console = console
+        self.name, self.verb, self.info = name, verb, info
         self.progress = _progress_bar(console)
         self.bar = None
         self.done = self.total = 0
@@ -177,19 +180,27 @@ class _ReplayProgress:
         if e["event"] == "start":
             self.total, self.t0 = e["versions"], time.perf_counter()
             self.progress.start()
-            self.bar = self.progress.add_task("replay", total=self.total, info="")
+            self.bar = self.progress.add_task(self.name, total=self.total, info="")
         elif e["event"] == "version":
             self.done += 1
-            info = f"v{e['version']} max_abs_diff {e['max_abs_diff']:.3e}"
+            info = f"v{e['version']} {self.info(e)}"
             self.progress.update(self.bar, completed=self.done, info=info)
             if not self.console.is_terminal and _line_due(self.done, self.total):
                 per_version = (time.perf_counter() - self.t0) / self.done
                 self.console.print(
-                    f"replayed {self.done}/{self.total}: {info}, eta {per_version * (self.total - self.done):.0f} s"
+                    f"{self.verb} {self.done}/{self.total}: {info}, eta {per_version * (self.total - self.done):.0f} s"
                 )
 
     def stop(self) -> None:
         self.progress.stop()
+
+
+def _replay_progress(console) -> _VersionsProgress:
+    return _VersionsProgress(console, "replay", "replayed", lambda e: f"max_abs_diff {e['max_abs_diff']:.3e}")
+
+
+def _eval_progress(console) -> _VersionsProgress:
+    return _VersionsProgress(console, "eval", "evaluated", lambda e: f"accuracy {e['accuracy']:.3f}")
 
 
 def _console(**kwargs):
@@ -415,6 +426,21 @@ def _run_config_path(lake, run_id: str) -> str:
     return path
 
 
+def _run_config(lake, run_id: str):
+    """The validated frozen config of a run (`configs.schema.frozen_config`); FileNotFoundError if the run is not
+    there, ValueError if its config.json is not JSON or not a config."""
+    from pydantic import ValidationError
+
+    from configs.schema import frozen_config
+    from storage.lake import read_json
+
+    config_path = _run_config_path(lake, run_id)
+    try:
+        return frozen_config(read_json(lake, config_path))
+    except (ValueError, ValidationError) as e:  # not JSON, or not a config
+        raise ValueError(f"{config_path} is not a valid run config: {e}") from None
+
+
 def cmd_replay(args) -> int:
     """Retrain from stored shards only and print, per version, the max abs parameter difference."""
     from prefect.exceptions import TerminationSignal
@@ -440,7 +466,7 @@ def cmd_replay(args) -> int:
         import flows.replay as replay_mod
 
         server_started()
-        progress = replay_mod.progress_hook = _ReplayProgress(console)
+        progress = replay_mod.progress_hook = _replay_progress(console)
         # --to names an existing run, or one another process writes; other errors keep their traceback
         try:
             with _reported_by_cli(FileExistsError, RunInUseError):
@@ -682,6 +708,80 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    """Held-out accuracy of stored versions of a run, measured again from their checkpoints."""
+    from flows import evaluate
+    from storage.checkpoints import CheckpointError
+
+    lake = _lake(args.lake)
+    try:
+        cfg = _run_config(lake, args.run_id)
+        versions = evaluate.chosen_versions(lake, args.run_id, args.version, args.every)
+    except (OSError, ValueError, CheckpointError) as e:
+        print(f"error: {_os_reason(e) if isinstance(e, OSError) else e}", file=sys.stderr)
+        return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"error: --threads {args.threads}: give at least 1", file=sys.stderr)
+        return 2
+    console = _console(stderr=True, soft_wrap=True)
+    listed = ", ".join(f"v{v}" for v in versions) if len(versions) <= 8 else f"{len(versions)} versions"
+    progress = _eval_progress(console)
+
+    def on_progress(e: dict) -> None:
+        if e["event"] == "start":  # what the figures depend on besides the weights
+            console.print(
+                f"evaluating {listed} of run {args.run_id} on its {e['prompts']} held-out prompts ({e['device']}, "
+                f"attention {e['attention']}, {e['threads']} thread{'s' if e['threads'] != 1 else ''})"
+            )
+        progress(e)
+
+    import torch
+
+    rows: list[dict] = []
+    try:
+        rows.extend(evaluate.evaluate_versions(cfg, lake, args.run_id, versions, on_progress, args.threads))
+    except (OSError, ValueError, CheckpointError, torch.OutOfMemoryError) as e:  # a damaged checkpoint, a dataset
+        # moved or gone since the run, a device not there (InputError, a ValueError) or full (the training run's
+        # GPU): the versions evaluated before are printed
+        progress.stop()
+        _print_rows(rows, args.format)
+        reason = _os_reason(e) if isinstance(e, OSError) else str(e)
+        if isinstance(e, torch.OutOfMemoryError):
+            reason = f"out of device memory ({reason.splitlines()[0]}); wait for the run's end, or free the device"
+        print(f"error: cannot evaluate {args.run_id!r}: {reason}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        progress.stop()
+        _print_rows(rows, args.format)
+        print(f"interrupted: evaluation of {args.run_id} stopped after {len(rows)} versions", file=sys.stderr)
+        return 130
+    progress.stop()
+    _print_rows(rows, args.format)
+    return 0
+
+
+def _print_rows(rows: list[dict], fmt: str) -> None:
+    """`lockstep eval`'s rows on stdout: a line each (table), a JSON list, or CSV with a header; nothing for none."""
+    import json
+
+    if not rows:
+        return
+    if fmt == "json":
+        print(json.dumps(rows, indent=1))
+    elif fmt == "csv":
+        import csv
+
+        w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    else:
+        for r in rows:
+            print(
+                f"v{r['version']:>6}  accuracy {r['accuracy']:.3f}  ({r['correct']}/{r['prompts']})  "
+                f"{r['seconds']:.1f} s"
+            )
+
+
 def cmd_report(args) -> int:
     """PNG + HTML of a run's figures per iteration, written to --out and logged to its MLflow run."""
     # MLflow's default of 7 retries with backoff waits ~4 minutes for a tracking server that is down; a report
@@ -689,19 +789,12 @@ def cmd_report(args) -> int:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
-    from pydantic import ValidationError
 
-    from configs.schema import frozen_config
     from flows.report import render, run_metrics
-    from storage.lake import read_json
 
     lake = _lake(args.lake)
     try:
-        config_path = _run_config_path(lake, args.run_id)
-        try:
-            cfg = frozen_config(read_json(lake, config_path))
-        except (ValueError, ValidationError) as e:  # not JSON, or not a config
-            raise ValueError(f"{config_path} is not a valid run config: {e}") from None
+        cfg = _run_config(lake, args.run_id)
         if not cfg.tracking.enabled:
             raise ValueError(
                 f"run {args.run_id} was trained with tracking.enabled=false: it has no MLflow records to report"
@@ -826,6 +919,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="a new local directory")
     p.add_argument("--lake", default="./lake")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("eval", help="held-out accuracy of stored versions of a run, from their checkpoints")
+    p.add_argument("run_id")
+    p.add_argument("--lake", default="./lake")
+    p.add_argument(
+        "--version",
+        type=int,
+        action="append",
+        default=[],
+        help="a version to evaluate (repeatable; default: the promoted one)",
+    )
+    p.add_argument("--every", type=int, default=None, metavar="N", help="every N-th version, and the promoted one")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the run's resources.train_threads)")
+    p.add_argument("--format", choices=["table", "json", "csv"], default="table")
+    p.set_defaults(func=cmd_eval)
     p = sub.add_parser("report", help="PNG + HTML of a run's figures per iteration (also logged to MLflow)")
     p.add_argument("run_id")
     p.add_argument("--lake", default="./lake")

@@ -79,7 +79,9 @@ def greedy_answers(
     other_eos_ids: tuple[int, ...] = (),
     batch_size: int = 64,
 ) -> list[list[int]]:
-    """Greedy responses (token ids) for each prompt, in batches; deterministic."""
+    """Greedy responses (token ids) for each prompt, in batches; deterministic. The model is left in eval mode (no
+    dropout while it answers; a caller that trains restores its mode)."""
+    model.train(False)
     params = SamplingParams(
         max_new_tokens=max_new_tokens, greedy=True, stop_on_newline_id=stop_token_id, other_eos_ids=other_eos_ids
     )
@@ -88,5 +90,4 @@ def greedy_answers(
         chunk = prompts[i : i + batch_size]
         groups = generate_groups(model, chunk, 1, params, [[0] for _ in chunk], eos_token_id, pad_token_id)
         out.extend(g[0].response_ids for g in groups)
-    model.train(False)
     return out

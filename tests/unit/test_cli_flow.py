@@ -673,7 +673,7 @@ def test_replay_progress_lines_in_a_log(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr(cli, "time", clock)
     out = io.StringIO()
-    progress = cli._ReplayProgress(cli._console(file=out, width=300))
+    progress = cli._replay_progress(cli._console(file=out, width=300))
     progress({"event": "start", "run_id": "r1", "versions": 41})
     for v in range(1, 42):
         clock.now += 4.0 if v == 1 else 2.0
