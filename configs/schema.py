@@ -303,6 +303,11 @@ class TrainerSection(_Section):
     )
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final learning rate / `lr` of a decay schedule.")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Training device.")
+    disable_dropout: bool = Field(
+        True,
+        description="Train the policy and reference without the model's dropout (the engine samples without it, so "
+        "an on-policy batch's first log-ratio is 0, not noise); false: as the model's config has it.",
+    )
 
 
 class TrainSection(_Section):
@@ -666,6 +671,7 @@ def load_config(
 FIELDS_ADDED: dict[tuple[str, str], Any] = {
     ("train", "skip_zero_advantage"): False,
     ("task", "stop_at_newline"): True,  # every response ended at a newline before the field
+    ("trainer", "disable_dropout"): False,  # runs trained with the model's dropout
 }
 
 

@@ -93,8 +93,30 @@ class LossSettings:
     skip_zero_advantage: bool = True
 
 
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Turn every dropout of `model` off, in train mode too: the rate of each `nn.Dropout` and the rates Hugging Face
+    modules keep as float attributes and apply themselves (`attention_dropout` of Llama-family attention, OPT's
+    `dropout`, LayerDrop's `layerdrop`). The model's config is left as it is (a checkpoint saved from it, or an
+    export, keeps its dropout for other uses), so a model that reads a rate from its config as it runs keeps that
+    one (transformers 5.25: Falcon's and Persimmon's decoder layers, whose released configs set them to 0).
+    Returns how many non-zero rates were set to 0."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p:  # Dropout, Dropout1d-3d, AlphaDropout
+            module.p = 0.0
+            changed += 1
+        for name, value in vars(module).items():
+            if "drop" in name.lower() and isinstance(value, float) and value:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed
+
+
 class PolicyTrainer:
-    """Owns the policy, the frozen reference and the optimizer; the loss math lives in `models.objectives`."""
+    """Owns the policy, the frozen reference and the optimizer; the loss math lives in `models.objectives`.
+
+    Unless `keep_dropout`, the policy's and the reference's dropout is turned off (`disable_dropout`): the engine
+    samples without it, so with it the first log-ratio of an on-policy batch would be noise instead of 0."""
 
     def __init__(
         self,
@@ -108,9 +130,15 @@ class PolicyTrainer:
         loss: LossSettings | None = None,
         pad_token_id: int = 0,
         shared_prompt: bool = False,
+        keep_dropout: bool = False,
     ):
         self.model = model
         self.ref_model = ref_model
+        self.keep_dropout = keep_dropout
+        if not keep_dropout:  # before the proximal copy below, which then has none either
+            for m in (model, ref_model):
+                if m is not None:
+                    disable_dropout(m)
         self.loss = loss or LossSettings()
         if self.loss.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")

@@ -56,6 +56,7 @@ class RankSpec:
     pad_token_id: int
     shared_prompt: bool
     lr: float
+    keep_dropout: bool
 
 
 def _rank_device(device_type: str, rank: int) -> torch.device:
@@ -97,6 +98,7 @@ def _build_replica(spec: RankSpec, device: torch.device) -> PolicyTrainer:
         loss=spec.loss,
         pad_token_id=spec.pad_token_id,
         shared_prompt=spec.shared_prompt,
+        keep_dropout=spec.keep_dropout,
     )
 
 
@@ -223,6 +225,7 @@ class DataParallelTrainer(PolicyTrainer):
             pad_token_id=self.pad_token_id,
             shared_prompt=self.shared_prompt,
             lr=self.peak_lr,
+            keep_dropout=self.keep_dropout,
         )
         self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False, timeout=timedelta(seconds=60))
         from tasks.workers import sigint_ignored
