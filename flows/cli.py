@@ -757,6 +757,9 @@ def cmd_eval(args) -> int:
         return 130
     progress.stop()
     _print_rows(rows, args.format)
+    if len(rows) > 1:  # on stderr: stdout stays the rows alone, for a script
+        best = max(rows, key=lambda r: (r["accuracy"], -r["version"]))  # the earliest of equals
+        console.print(f"best: v{best['version']} accuracy {best['accuracy']:.3f} of {len(rows)} versions")
     return 0
 
 

@@ -196,6 +196,8 @@ def test_eval_prints_each_version_and_writes_nothing(run_lake, capsys, fingerpri
     assert set(rows[0]) == {"version", "accuracy", "correct", "prompts", "seconds"}
     assert "evaluating v0, v2, v4, v5 of run r1 on its 12 held-out prompts (cpu, attention sdpa, 2 threads)" in err
     assert "evaluated 4/4: v5 accuracy" in err  # not a terminal: progress lines
+    best = max(zip(fingerprints, [0, 2, 4, 5]))
+    assert f"best: v{best[1]} accuracy {best[0]:.3f} of 4 versions" in err
     assert _lake_files(run_lake) == before
 
     assert cli.main(["eval", "r1", "--lake", str(run_lake), "--version", "1", "--format", "csv"]) == 0
@@ -203,7 +205,9 @@ def test_eval_prints_each_version_and_writes_nothing(run_lake, capsys, fingerpri
     assert row["version"] == "1" and float(row["accuracy"]) == pytest.approx(fingerprints[-1])
 
     assert cli.main(["eval", "r1", "--lake", str(run_lake)]) == 0  # the promoted version, as a table
-    [line] = capsys.readouterr().out.splitlines()
+    out, err = capsys.readouterr()
+    [line] = out.splitlines()
+    assert "best:" not in err  # one version: nothing to compare
     assert line.startswith(f"v     5  accuracy {fingerprints[-1]:.3f}  (")
 
 
@@ -280,3 +284,11 @@ def test_eval_of_a_run_whose_config_is_not_a_config(run_lake, capsys):
     (run_lake / "runs/r1/config.json").write_text('{"run": {"iterations": "many"}}')
     assert cli.main(["eval", "r1", "--lake", str(run_lake)]) == 2
     assert squash(f"error: {run_lake}/runs/r1/config.json is not a valid run config") in cli_stderr(capsys)
+
+
+def test_the_best_of_equal_accuracies_is_the_earliest_version(run_lake, capsys, monkeypatch):
+    monkeypatch.setattr(tasks.session, "accuracy", lambda model, *args: 0.25)
+    assert cli.main(["eval", "r1", "--lake", str(run_lake), "--version", "3", "--version", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert [ln.split()[1] for ln in out.splitlines()] == ["1", "3"]
+    assert "best: v1 accuracy 0.250 of 2 versions" in err
