@@ -686,10 +686,7 @@ def cmd_export(args) -> int:
             raise FileNotFoundError(f"run {args.run_id} has no promoted version in {args.lake} yet")
         path = lake.checkpoint_dir(args.run_id, version)
         if not lake.fs.exists(path):
-            kept = sorted(
-                int(p.rstrip("/").rsplit("/v", 1)[-1])
-                for p in lake.fs.glob(f"{lake.run_dir(args.run_id)}/checkpoints/v[0-9]*")
-            )
+            kept = checkpoints.stored_versions(lake, args.run_id)
             raise FileNotFoundError(
                 f"run {args.run_id} has no checkpoint v{version}; it has {', '.join(f'v{v}' for v in kept) or 'none'}"
             )
@@ -738,25 +735,22 @@ def cmd_eval(args) -> int:
     import torch
 
     rows: list[dict] = []
+    stopped: tuple[int, str] | None = None  # (exit code, message) of an evaluation cut short
     try:
         rows.extend(evaluate.evaluate_versions(cfg, lake, args.run_id, versions, on_progress, args.threads))
     except (OSError, ValueError, CheckpointError, torch.OutOfMemoryError) as e:  # a damaged checkpoint, a dataset
-        # moved or gone since the run, a device not there (InputError, a ValueError) or full (the training run's
-        # GPU): the versions evaluated before are printed
-        progress.stop()
-        _print_rows(rows, args.format)
+        # moved or gone since the run, a device not there (InputError, a ValueError) or full (the training run's GPU)
         reason = _os_reason(e) if isinstance(e, OSError) else str(e)
         if isinstance(e, torch.OutOfMemoryError):
             reason = f"out of device memory ({reason.splitlines()[0]}); wait for the run's end, or free the device"
-        print(f"error: cannot evaluate {args.run_id!r}: {reason}", file=sys.stderr)
-        return 2
+        stopped = (2, f"error: cannot evaluate {args.run_id!r}: {reason}")
     except KeyboardInterrupt:
-        progress.stop()
-        _print_rows(rows, args.format)
-        print(f"interrupted: evaluation of {args.run_id} stopped after {len(rows)} versions", file=sys.stderr)
-        return 130
+        stopped = (130, f"interrupted: evaluation of {args.run_id} stopped after {len(rows)} versions")
     progress.stop()
-    _print_rows(rows, args.format)
+    _print_rows(rows, args.format)  # those evaluated before a stop too
+    if stopped is not None:
+        print(stopped[1], file=sys.stderr)
+        return stopped[0]
     if len(rows) > 1:  # on stderr: stdout stays the rows alone, for a script
         best = max(rows, key=lambda r: (r["accuracy"], -r["version"]))  # the earliest of equals
         console.print(f"best: v{best['version']} accuracy {best['accuracy']:.3f} of {len(rows)} versions")

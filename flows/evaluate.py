@@ -22,13 +22,6 @@ def _no_progress(event: dict) -> None:
     pass
 
 
-def stored_versions(lake: Lake, run_id: str) -> list[int]:
-    """The versions of a run that have a checkpoint folder, ascending."""
-    return sorted(
-        int(p.rstrip("/").rsplit("/v", 1)[-1]) for p in lake.fs.glob(f"{lake.run_dir(run_id)}/checkpoints/v[0-9]*")
-    )
-
-
 def chosen_versions(lake: Lake, run_id: str, versions: list[int], every: int | None) -> list[int]:
     """The versions to evaluate, ascending and each once: `versions` as given, plus with `every` each multiple of it
     up to the promoted version and the promoted version itself; neither: the promoted version. A version past the
@@ -47,7 +40,7 @@ def chosen_versions(lake: Lake, run_id: str, versions: list[int], every: int | N
     for v in sorted(wanted):
         if v < 0 or v > promoted:
             raise ValueError(f"--version {v}: run {run_id} has versions 0 to {promoted} (the newest promoted)")
-    missing = sorted(wanted - set(stored_versions(lake, run_id)))
+    missing = sorted(wanted - set(checkpoints.stored_versions(lake, run_id)))
     if missing:
         raise FileNotFoundError(
             f"run {run_id} has no checkpoint of version {', '.join(f'v{v}' for v in missing)} in {lake.uri}"

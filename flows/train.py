@@ -144,7 +144,8 @@ def _iteration(s: RunSession, k: int) -> dict:
     # memory over a long run (a leak shows here): this process (flow, trainer, catalog, tracking) and the rollout
     # workers'; left out where /proc is not there (~13 us a read)
     memory = {"mem/rss_mb": resident_mb(), "mem/rollout_workers_rss_mb": s.pool.resident_mb()}
-    figures.update({key: v for key, v in memory.items() if v is not None})
+    memory = {key: v for key, v in memory.items() if v is not None}
+    figures.update(memory)
     s.tracker.log_metrics(
         {
             key: figures[key]
@@ -155,7 +156,7 @@ def _iteration(s: RunSession, k: int) -> dict:
                 "time/orchestration_s",
                 "time/storage_s",
                 "time/tracking_s",
-                *(key for key in memory if key in figures),
+                *memory,
             )
         },
         step=k,

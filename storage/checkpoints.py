@@ -262,6 +262,13 @@ def promoted_version(lake: Lake, run_id: str) -> int | None:
     return version
 
 
+def stored_versions(lake: Lake, run_id: str) -> list[int]:
+    """The versions of a run that have a checkpoint folder (promoted or not), ascending."""
+    return sorted(
+        int(p.rstrip("/").rsplit("/v", 1)[-1]) for p in lake.fs.glob(f"{lake.run_dir(run_id)}/checkpoints/v[0-9]*")
+    )
+
+
 def load_weights(lake: Lake, path: str, *, checked: bool = True) -> dict[str, torch.Tensor]:
     """The checkpoint's state dict, read through fsspec (any filesystem), without pickle; its bytes are checked
     against the manifest, so a file damaged since its promotion is named (CheckpointError), not loaded. `checked=False`
