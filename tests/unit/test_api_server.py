@@ -421,7 +421,9 @@ def test_the_servers_stop_installs_the_filter_before_the_shutdown_starts(monkeyp
     import tasks.workers
 
     logger = logging.getLogger(api_server.TASK_RUN_RECORDER)
+    pool = logging.getLogger(api_server.POOL_LOGGERS[0])
     ours = lambda: [f for f in logger.filters if isinstance(f, api_server.RetriedFlushes)]  # noqa: E731
+    resets = lambda: [f for f in pool.filters if isinstance(f, api_server.CancelledResets)]  # noqa: E731
     stops = []
     seen = {}
 
@@ -430,16 +432,65 @@ def test_the_servers_stop_installs_the_filter_before_the_shutdown_starts(monkeyp
             self.should_exit, self.started = False, True
 
         def run(self):
-            seen["before"] = (len(ours()), self.should_exit)
+            seen["before"] = (len(ours()), len(resets()), self.should_exit)
             stops[0]()
-            seen["after"] = (len(ours()), self.should_exit)
+            seen["after"] = (len(ours()), len(resets()), self.should_exit)
 
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # main ignores SIGINT: not in this test process
     monkeypatch.setattr(tasks.workers, "watch_parent", lambda parent, stop, period_s: stops.append(stop))
     monkeypatch.setattr(uvicorn, "Server", Server)
     try:
         api_server.main(free_port(), os.getpid())
-        assert seen == {"before": (0, False), "after": (1, True)}
+        assert seen == {"before": (0, 0, False), "after": (1, 1, True)}
     finally:
         for f in ours():
             logger.removeFilter(f)
+        for name in api_server.POOL_LOGGERS:
+            for f in [f for f in logging.getLogger(name).filters if isinstance(f, api_server.CancelledResets)]:
+                logging.getLogger(name).removeFilter(f)
+
+
+@pytest.mark.parametrize(
+    "raised, filtered, printed",
+    [("cancelled", True, False), ("cancelled", False, True), ("os-error", True, True)],
+    ids=["cancelled-with-the-filter", "cancelled-without-it", "another-error-with-the-filter"],
+)
+def test_a_connection_reset_cut_by_the_shutdown_is_not_printed(tmp_path, caplog, raised, filtered, printed):
+    """A pooled SQLite connection (the async pool of Prefect's server) whose work is committed and whose reset, as it
+    returns to the pool, is cancelled: SQLAlchemy logs "Exception during reset or similar" with the CancelledError and discards the
+    connection; the filter drops that record (without it, it gets through), and keeps a reset that failed otherwise."""
+    import asyncio
+    import logging
+
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}")
+    pool_logger = logging.getLogger(
+        type(engine.sync_engine.pool).__module__ + "." + type(engine.sync_engine.pool).__name__
+    )
+    assert pool_logger.name in api_server.POOL_LOGGERS
+    error = asyncio.CancelledError() if raised == "cancelled" else OSError("disk I/O error")
+
+    def failing_rollback(dbapi_connection):
+        raise error
+
+    async def run() -> None:
+        async with engine.begin() as conn:  # committed; then the reset's rollback as it returns to the pool fails
+            await conn.execute(text("select 1"))
+            engine.sync_engine.dialect.do_rollback = failing_rollback
+        await engine.dispose()
+
+    if filtered:
+        pool_logger.addFilter(api_server.CancelledResets())
+    try:
+        with caplog.at_level(logging.ERROR, logger=pool_logger.name):
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                asyncio.run(run())
+    finally:
+        for f in [f for f in pool_logger.filters if isinstance(f, api_server.CancelledResets)]:
+            pool_logger.removeFilter(f)
+    resets = [r for r in caplog.records if r.getMessage() == "Exception during reset or similar"]
+    assert len(resets) == (1 if printed else 0)
+    if printed:
+        assert resets[0].exc_info[1] is error
