@@ -23,7 +23,15 @@ sync with the rollout on 2 threads and training on 1 rank x 2 threads or 2 ranks
 runs it (rollout 1 thread, 1 trainer rank of 1 thread that borrows the rollout's thread once rollouts are in) and with
 2 trainer ranks of 1 thread each (no borrowing: both ranks run beside the rollout worker while it generates).
 
+With `--shard-optimizer`, instead: the two-rank trainer with the optimizer replicated (rank 0 holds every AdamW
+moment and steps alone) against the same with it sharded (`resources.shard_optimizer`: each rank steps half), on the
+demo's batches in shards of 4 groups. One process holds one process group, so the two are built in turn, a fresh
+trainer per round (A B B A ...), each round one warm-up batch then one timed batch. One JSON line with `batch_s` and
+`optimizer_step_s` of each (medians over `--repeats` rounds), rank 0's AdamW state in elements
+(`rank0_state_elements`), and `max_abs_diff` between the two after the same batches from the same weights.
+
     PYTHONPATH=. .venv/bin/python -m benchmarks.data_parallel [--repeats 7] [--pipeline [--iterations 8] [--dir DIR]]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.data_parallel --shard-optimizer [--repeats 7]
 """
 
 from __future__ import annotations
@@ -95,12 +103,70 @@ def pipeline(iterations: int, directory: str | None) -> None:
         )
 
 
+def _demo_micro_batches(tok_count: int, seed: int, shard_groups: int) -> list:
+    """A demo-sized batch in shards of `shard_groups` groups, cut into micro-batches as the train task cuts them."""
+    from tasks.iteration import micro_batches
+
+    groups = _batch(tok_count, seed)
+    shards = [groups[i : i + shard_groups] for i in range(0, len(groups), shard_groups)]
+    return [mb for shard in shards for mb in micro_batches(shard, BUDGET, shared=True)]
+
+
+def shard_optimizer(model, tok_count: int, kw: dict, repeats: int) -> None:
+    import time
+
+    import torch
+
+    from tasks.train_ranks import DataParallelTrainer
+
+    torch.set_num_threads(1)
+    batch_s: dict[str, list[float]] = {"replicated": [], "sharded": []}
+    step_s: dict[str, list[float]] = {"replicated": [], "sharded": []}
+    state, final = {}, {}
+    for r in range(repeats):
+        for name in ("replicated", "sharded") if r % 2 == 0 else ("sharded", "replicated"):
+            trainer = DataParallelTrainer(
+                copy.deepcopy(model), None, ranks=2, threads=1, shard_optimizer=name == "sharded", **kw
+            )
+            try:
+                for b in range(2):  # a warm-up batch (the first sync, AdamW's state allocated), then the timed one
+                    mbs = _demo_micro_batches(tok_count, 1000 * r + b, 4)
+                    t0 = time.perf_counter()
+                    for mb in mbs:
+                        trainer.micro_step(mb)
+                    t1 = time.perf_counter()
+                    trainer.optimizer_step()
+                    t2 = time.perf_counter()
+                if r == 0:
+                    opt = trainer.optimizer
+                    state[name] = (
+                        trainer.shard.local_state_numel()
+                        if trainer.shard is not None
+                        else sum(t.numel() for st in opt.state.values() for t in st.values() if t.dim() > 0)
+                    )
+                    final[name] = [p.detach().clone() for p in trainer.model.parameters()]
+            finally:
+                trainer.close()
+            batch_s[name].append(t2 - t0)
+            step_s[name].append(t2 - t1)
+    diff = max(float((p - q).abs().max()) for p, q in zip(final["replicated"], final["sharded"], strict=True))
+    emit(
+        repeats=repeats,
+        parameters=sum(p.numel() for p in model.parameters()),
+        batch_s={name: statistics.median(ts) for name, ts in batch_s.items()},
+        optimizer_step_s={name: statistics.median(ts) for name, ts in step_s.items()},
+        rank0_state_elements=state,
+        max_abs_diff=diff,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = parser("benchmarks.data_parallel", __doc__)
     ap.add_argument("--repeats", type=int, default=7, help="timed batches per trainer and shard size (default 7)")
     ap.add_argument("--pipeline", action="store_true", help="then the demo config through the flow (minutes)")
     ap.add_argument("--iterations", type=int, default=8, help="--pipeline: measured iterations per run (default 8)")
     ap.add_argument("--dir", default=None, help="--pipeline: work directory (reusing one reuses its bootstrap)")
+    ap.add_argument("--shard-optimizer", action="store_true", help="replicated vs sharded optimizer on two ranks")
     args = ap.parse_args(argv)
     check_range(ap, "--repeats", args.repeats, 1, 1000)
     check_range(ap, "--iterations", args.iterations, 1, MAX_ITERATIONS - 2)
@@ -111,12 +177,14 @@ def main(argv: list[str] | None = None) -> None:
     from configs.schema import Config
     from models.tiny import build_char_tokenizer, build_tiny_model
     from models.trainer import PolicyTrainer
-    from tasks.iteration import micro_batches
     from tasks.train_ranks import DataParallelTrainer
 
     tok = build_char_tokenizer()
     model = build_tiny_model(len(tok), **Config().model.tiny.model_dump(), seed=0)
     kw = dict(lr=2e-4, grad_clip=1.0, pad_token_id=tok.pad_token_id, shared_prompt=True)
+    if args.shard_optimizer:
+        shard_optimizer(model, len(tok), kw, args.repeats)
+        return
     trainers = {
         "one_rank_2_threads": (PolicyTrainer(copy.deepcopy(model), None, **kw), 2),
         "two_ranks_1_thread": (DataParallelTrainer(copy.deepcopy(model), None, ranks=2, threads=1, **kw), 1),
@@ -127,9 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             times: dict[str, list[float]] = {name: [] for name in trainers}
             order = list(trainers)
             for r in range(args.repeats + 1):  # the first round warms up
-                groups = _batch(len(tok), seed=100 * shard_groups + r)
-                shards = [groups[i : i + shard_groups] for i in range(0, len(groups), shard_groups)]
-                mbs = [mb for shard in shards for mb in micro_batches(shard, BUDGET, shared=True)]
+                mbs = _demo_micro_batches(len(tok), 100 * shard_groups + r, shard_groups)
                 for name in order if r % 2 == 0 else order[::-1]:
                     trainer, threads = trainers[name]
                     torch.set_num_threads(threads)

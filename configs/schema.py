@@ -361,6 +361,13 @@ class ResourcesSection(_Section):
         "rank 0 before its optimizer step (the same batch gradient as one process, up to the order of additions). "
         "CPU: gloo, train_threads each; CUDA: NCCL, rank r on device r (needs that many devices).",
     )
+    shard_optimizer: bool = Field(
+        False,
+        description="With train_ranks >= 2: each rank holds and steps AdamW for its 1/train_ranks slice of the "
+        "parameters (ZeRO stage 1), instead of rank 0 holding every moment and stepping alone; each rank takes its "
+        "slice of the gradient sum, and the stepped slices are gathered back into every replica. The same update (on gloo, two "
+        "ranks: bit for bit the replicated one's); checkpoints hold the same optimizer files either way.",
+    )
     borrow_rollout_threads: bool = Field(
         False,
         description="sync / periodic: once every rollout of the iteration "
@@ -731,6 +738,15 @@ _INERT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[Config], str | None]],
         ),
     ),
     ("pipeline", ("catalog_compact_every",), lambda c: None if c.pipeline.catalog else "pipeline.catalog is false"),
+    (
+        "resources",
+        ("shard_optimizer",),
+        lambda c: (
+            "resources.train_ranks is 1: one process holds the whole optimizer"
+            if c.resources.train_ranks == 1
+            else None
+        ),
+    ),
     (
         "resources",
         ("borrow_rollout_threads",),  # tasks.iteration.idle_rollout_threads

@@ -385,11 +385,32 @@ class PolicyTrainer:
 
     def optimizer_step(self) -> dict[str, float]:
         """Scale the accumulated gradient by 1/denominator, clip, step; returns the batch's figures."""
+        scale = self._batch_scale()
+        grad_norm = self._step(scale)
+        if not math.isfinite(grad_norm):
+            self._reset_accumulators()
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm}: the step was not applied")
+        return self._batch_figures(scale, grad_norm)
+
+    def _batch_scale(self) -> float:
+        """1 / the batch's loss denominator (the accumulated gradient is the numerator's)."""
         if self._samples == 0:
             raise RuntimeError("optimizer_step with no accumulated micro-steps")
         if self._denominator <= 0:
             raise RuntimeError(f"loss denominator is {self._denominator}: the batch has no response tokens")
-        scale = 1.0 / self._denominator
+        return 1.0 / self._denominator
+
+    def _keep_prox(self) -> None:
+        """Before a step: the weights now are the proximal policy of the next version."""
+        if self.prox_model is not None:
+            with torch.no_grad():
+                for q, p in zip(self.prox_model.parameters(), self.model.parameters(), strict=True):
+                    q.copy_(p)
+            self.prox_version = self._batch_version
+
+    def _step(self, scale: float) -> float:
+        """The accumulated gradient times `scale`, clipped, stepped (the proximal weights kept first); returns the
+        gradient norm before clipping. A non-finite norm leaves weights and optimizer state as they were."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params and self._sums["train/skipped_groups"]:
             # every group of the batch was skipped: its gradient is exactly 0, on which AdamW still steps (its moments
@@ -405,19 +426,18 @@ class PolicyTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip else math.inf)
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            self._reset_accumulators()
-            raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)}: the step was not applied")
-        if self.prox_model is not None:  # these weights are the proximal policy of the next version
-            with torch.no_grad():
-                for q, p in zip(self.prox_model.parameters(), self.model.parameters(), strict=True):
-                    q.copy_(p)
-            self.prox_version = self._batch_version
+            return float(grad_norm)
+        self._keep_prox()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def _batch_figures(self, scale: float, grad_norm: float) -> dict[str, float]:
+        """The batch's figures after its step; resets the accumulators."""
         tok = self._tokens
         figures = {
             "loss/policy": self._sums["loss_numerator"] * scale,
-            "grad/norm": float(grad_norm),
+            "grad/norm": grad_norm,
             "train/lr": float(self.optimizer.param_groups[0]["lr"]),
             "train/tokens": self._tokens,
             "train/samples": float(self._samples),

@@ -523,7 +523,14 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
     )
     ranks = cfg.resources.train_ranks
     make = (
-        partial(DataParallelTrainer, ranks=ranks, threads=cfg.resources.train_threads) if ranks > 1 else PolicyTrainer
+        partial(
+            DataParallelTrainer,
+            ranks=ranks,
+            threads=cfg.resources.train_threads,
+            shard_optimizer=cfg.resources.shard_optimizer,
+        )
+        if ranks > 1
+        else PolicyTrainer
     )
     return make(
         model.to(device),

@@ -9,6 +9,13 @@ ranks by a broadcast at the start of the next batch. So the batch's gradient is 
 as in one process (only the order of floating-point additions differs), and everything that reads or writes the
 trainer's model or optimizer (checkpoints, shared weights, resume) keeps working on rank 0 alone.
 
+With `shard_optimizer` (`resources.shard_optimizer`, ZeRO stage 1) each rank instead holds AdamW's state for its
+1/N slice of the parameters (`models.data_parallel.OptimizerShard`): rank 0 sends every rank the batch's scale and
+AdamW's settings, each sums the gradients, steps its slice and gathers the others' into its whole replica, so no
+broadcast is needed at the next batch (only when rank 0's weights were written in between: a restore).
+Rank 0's `optimizer` is then a `ShardedOptimizer`, whose state dict is gathered from the ranks in the format of one
+AdamW over the model: checkpoints and resume work as before, and either way round.
+
 Collectives run over `torch.distributed`: gloo on CPU, NCCL on CUDA (rank r on device r), HCCL on Ascend. Commands
 and figures travel over one pipe per rank. A rank that fails a micro-step is named at the optimizer step, which no
 rank applies, and training goes on; a rank that dies (rank 0 watches the others while it waits for a collective) or
@@ -17,6 +24,7 @@ stops answering, or any other break in the protocol, leaves the trainer refusing
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -30,7 +38,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from models.data_parallel import broadcast_weights, sum_gradients
+from models.data_parallel import OptimizerShard, broadcast_weights, sum_gradients
 from models.trainer import LossSettings, PolicyTrainer, group_tokens
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -57,6 +65,7 @@ class RankSpec:
     shared_prompt: bool
     lr: float
     keep_dropout: bool
+    shard_optimizer: bool = False
 
 
 def _rank_device(device_type: str, rank: int) -> torch.device:
@@ -117,18 +126,19 @@ def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn, parent: i
         dist.init_process_group(
             BACKENDS[spec.device_type], store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10)
         )
+        shard = OptimizerShard(trainer.model, lr=spec.lr) if spec.shard_optimizer else None
         conn.send(("joined", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
     try:
-        _serve(trainer, conn)
+        _serve(trainer, conn, shard)
     except EOFError:  # rank 0's process is gone (killed): nothing left to train for
         return
 
 
-def _serve(trainer: PolicyTrainer, conn) -> None:
-    """A rank's command loop, until `close`."""
+def _serve(trainer: PolicyTrainer, conn, shard: OptimizerShard | None = None) -> None:
+    """A rank's command loop, until `close`. `shard`: this rank's part of the optimizer, when the ranks shard it."""
     error = None  # a failed micro-step: reported at the next collect; the rank skips micro-steps until then
     while True:
         cmd = conn.recv()
@@ -149,16 +159,28 @@ def _serve(trainer: PolicyTrainer, conn) -> None:
             if cmd[1]:
                 modules.append(trainer.ref_model)
             broadcast_weights(modules)
+            if shard is not None:
+                shard.refresh()
+        elif cmd[0] == "optimizer_state":  # gathered onto rank 0 (a checkpoint)
+            shard.gather_state()
+        elif cmd[0] == "load_optimizer_state":  # scattered from rank 0 (a resume)
+            shard.load_state(None)
         elif cmd[0] == "collect":
             conn.send(("collected", error, trainer.accumulators()))
-            verdict = conn.recv()[0]
-            if verdict == "reduce":
+            verdict = conn.recv()
+            if verdict[0] == "reduce":
                 sum_gradients(trainer.model)
+            elif verdict[0] == "shard_step":  # (shard_step, scale, max norm, AdamW settings, forced, prox version)
+                _, scale, max_norm, settings, forced, prox_version = verdict
+                if math.isfinite(shard.reduce(scale, max_norm, forced)):
+                    trainer._batch_version = prox_version
+                    trainer._keep_prox()
+                    shard.apply(settings)
             else:  # discard: the batch failed somewhere (or close: rank 0 stops after a failure)
                 trainer.optimizer.zero_grad(set_to_none=True)
             trainer._reset_accumulators()
             error = None
-            if verdict == "close":
+            if verdict[0] == "close":
                 dist.destroy_process_group()
                 return
 
@@ -189,12 +211,15 @@ class DataParallelTrainer(PolicyTrainer):
         *,
         ranks: int,
         threads: int,
+        shard_optimizer: bool = False,
         start_timeout_s: float = 300.0,
         reply_timeout_s: float = 1800.0,
         **kwargs,
     ):
-        """`start_timeout_s`: for each rank to build its replica and join; `reply_timeout_s`: for a rank to finish its
-        queued micro-steps and answer the optimizer step's `collect` (a rank alive but stuck is named after it)."""
+        """`shard_optimizer`: each rank holds and steps AdamW for its slice of the parameters (`OptimizerShard`)
+        instead of rank 0 for all of them; `optimizer` is then a `ShardedOptimizer`. `start_timeout_s`: for each
+        rank to build its replica and join; `reply_timeout_s`: for a rank to finish its queued micro-steps and answer
+        the optimizer step's `collect` (a rank alive but stuck is named after it)."""
         super().__init__(model, ref_model, **kwargs)
         if ranks < 2:
             raise ValueError(f"a data-parallel trainer needs at least 2 ranks, got {ranks}")
@@ -226,6 +251,7 @@ class DataParallelTrainer(PolicyTrainer):
             shared_prompt=self.shared_prompt,
             lr=self.peak_lr,
             keep_dropout=self.keep_dropout,
+            shard_optimizer=shard_optimizer,
         )
         self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False, timeout=timedelta(seconds=60))
         from tasks.workers import sigint_ignored
@@ -259,11 +285,22 @@ class DataParallelTrainer(PolicyTrainer):
                         f"0's then rank {rank}'s: {diff}): its class or config does not rebuild the model"
                     )
             self._rendezvous(BACKENDS[device_type])
+            self.shard = OptimizerShard(model, lr=self.peak_lr) if shard_optimizer else None
         except BaseException:
             self._stop_ranks(wait_s=0.0)  # building or in the rendezvous, a rank reads no `close`: killed at once
+            if dist.is_initialized():  # joined, then failed: a later trainer in this process makes its own group
+                dist.destroy_process_group()
             raise
+        if self.shard is not None:
+            self.optimizer = ShardedOptimizer(self, self.optimizer)
         self._synced_ref = False
-        self._needs_sync = True  # rank 0's weights may change between batches (restore, bootstrap): sent per batch
+        # rank 0's weights may change between batches (restore, bootstrap): replicas are sent them per batch; with a
+        # sharded optimizer every rank steps the same weights, so they are sent only when rank 0's have changed since
+        self._needs_sync = True
+        self._synced_print: list | None = None
+        self._batch_start = True
+        self._verdict: tuple = ("discard",)  # the last optimizer step's, as sent to the ranks
+        self._refusal: RuntimeError | None = None  # why a sharded step was refused before any rank took part
         self.rank_micro_batches = [0] * ranks  # the last batch's micro-steps per rank
         self.rank_tokens = [0] * ranks  # and its packed tokens per rank (`split_groups` balances them)
 
@@ -356,10 +393,25 @@ class DataParallelTrainer(PolicyTrainer):
         except BaseException as e:
             self._fail(e)
             raise
+        if self.shard is not None:
+            self.shard.refresh()
         self._synced_ref = True
         self._needs_sync = False
-        self.rank_micro_batches = [0] * self.world
-        self.rank_tokens = [0] * self.world
+        self._synced_print = self._print()
+
+    def _print(self) -> list[tuple[int, int]]:
+        """Where the policy's and proximal model's weights live and how often they were changed in place: differs
+        once anything (a restore, a bootstrap: `load_state_dict`, `copy_`) has written them since the last sync or
+        sharded step. Writes that bypass autograd's version counter (`p.data.copy_`, numpy views) are not seen."""
+        if self.shard is not None and any(
+            a is not b for a, b in zip(self.shard.params, self.model.parameters(), strict=True)
+        ):
+            raise TrainRankError(
+                "the policy's parameters were replaced (e.g. load_state_dict(assign=True)) after its sharded "
+                "optimizer was built: load weights into the parameters in place"
+            )
+        modules = [self.model] + ([self.prox_model] if self.prox_model is not None else [])
+        return [(p.data_ptr(), p._version) for m in modules for p in m.parameters()]
 
     def micro_step(self, groups, version: int = 0, behavior_old: bool = False) -> dict[str, float]:
         """The micro-batch cut into one part per rank (`split_groups`): the other ranks' parts sent, rank 0's run
@@ -367,8 +419,12 @@ class DataParallelTrainer(PolicyTrainer):
         if not groups:
             raise ValueError("micro_step needs at least one group")
         self._check_usable()
-        if self._needs_sync:
+        if self._needs_sync or (self.shard is not None and self._synced_print != self._print()):
             self._sync()
+        if self._batch_start:
+            self._batch_start = False
+            self.rank_micro_batches = [0] * self.world
+            self.rank_tokens = [0] * self.world
         self._batch_version = version
         run, idle = self.partition(groups)  # zero advantage: only counted, so rank 0 keeps them at no load
         parts = split_groups(run, self.rank_tokens, self.shared_prompt)
@@ -385,9 +441,12 @@ class DataParallelTrainer(PolicyTrainer):
         }
 
     def optimizer_step(self) -> dict[str, float]:
-        """Every rank's accumulators and gradient summed onto rank 0, then `PolicyTrainer.optimizer_step`."""
+        """Every rank's accumulators summed onto rank 0; then either every gradient summed onto rank 0 and
+        `PolicyTrainer.optimizer_step`, or (sharded optimizer) every rank told the batch's scale and settings and
+        `_step` run by all of them."""
         self._check_usable()
-        self._needs_sync = True
+        self._needs_sync = self.shard is None
+        self._batch_start = True
         try:
             replies = []
             for rank in range(1, self.world):
@@ -395,30 +454,78 @@ class DataParallelTrainer(PolicyTrainer):
             for rank in range(1, self.world):
                 replies.append(self._receive(rank, "collected", self.reply_timeout_s))
             failed = [(rank, msg[1]) for rank, msg in enumerate(replies, start=1) if msg[1] is not None]
-            verdict = ("discard",) if failed else ("reduce",)
-            for rank in range(1, self.world):
-                self._send(rank, verdict)
             if not failed:
                 for msg in replies:
                     self.merge_accumulators(msg[2])
+            verdict = ("discard",) if failed else ("reduce",) if self.shard is None else self._shard_verdict()
+            self._verdict = verdict
+            for rank in range(1, self.world):
+                self._send(rank, verdict)
+            if verdict[0] == "reduce":
                 self._collective("the gradient sum", sum_gradients, self.model)
         except BaseException as e:
             self._fail(e)
             raise
-        if failed:  # every rank dropped its gradient: the trainer goes on with the next batch
+        if verdict[0] == "discard":  # every rank dropped its gradient: the trainer goes on with the next batch
             self.optimizer.zero_grad(set_to_none=True)
             self._reset_accumulators()
+            if not failed:
+                raise self._refusal  # a sharded step refused for no samples or tokens: what one process raises
             rank, error = failed[0]
             raise TrainRankError(f"trainer rank {rank} failed a micro-step; the step was not applied:\n{error}")
         figures = super().optimizer_step()
         figures["train/ranks"] = float(self.world)
         return figures
 
-    def _collective(self, what: str, fn, *args) -> None:
+    def _shard_verdict(self) -> tuple:
+        """What every rank needs for its part of a sharded step: the batch's scale, the clip norm, AdamW's settings,
+        the parameters to step on a zero gradient, the version the proximal weights will hold; ("discard",) when
+        the batch cannot be stepped (no samples or tokens)."""
+        try:
+            scale = self._batch_scale()
+        except RuntimeError as e:
+            self._refusal = e
+            return ("discard",)
+        forced = None  # with skipped groups: stepped on a zero gradient if no rank has any (`PolicyTrainer._step`)
+        if self._sums["train/skipped_groups"]:
+            trainable = [i for i, p in enumerate(self.shard.params) if p.requires_grad]
+            forced = sorted(self.shard.stepped) or trainable
+        settings = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        max_norm = self.grad_clip if self.grad_clip else math.inf
+        return ("shard_step", scale, max_norm, settings, forced, self._batch_version)
+
+    def _step(self, scale: float) -> float:
+        if self.shard is None:
+            return super()._step(scale)
+        _, _, max_norm, settings, forced, _ = self._verdict
+        try:
+            norm = self._collective("the sharded gradient sum", self.shard.reduce, scale, max_norm, forced)
+            if not math.isfinite(norm):
+                return norm
+            self._keep_prox()
+            self._collective("the sharded step", self.shard.apply, settings)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self._synced_print = self._print()
+        return norm
+
+    def _optimizer_collective(self, command: str, what: str, method: str, *args):
+        """`self.shard.<method>(*args)` on rank 0 while the other ranks run theirs (`command`)."""
+        self._check_usable()
+        try:
+            for rank in range(1, self.world):
+                self._send(rank, (command,))
+            return self._collective(what, getattr(self.shard, method), *args)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _collective(self, what: str, fn, *args):
         """`fn(*args)`, a collective every rank has been told to join, waited for by `_wait_for`; a rank gone
         meanwhile is named (gloo also raises at once when a peer's connection closes)."""
         try:
-            fn(*args, wait=partial(self._wait_for, what))
+            return fn(*args, wait=partial(self._wait_for, what))
         except TrainRankError:  # `_wait_for` named the rank already
             raise
         except RuntimeError as e:
@@ -454,3 +561,50 @@ class DataParallelTrainer(PolicyTrainer):
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+class ShardedOptimizer:
+    """Rank 0's `optimizer` when the ranks shard AdamW: the param groups (learning rate, betas, weight decay) are
+    here and sent with each step; the state lives on the ranks. `state_dict` gathers it as one AdamW over the whole
+    model holds it and `load_state_dict` sends each rank its part, so checkpoints are the same files with or without
+    sharding, and a run resumes with either."""
+
+    def __init__(self, trainer: DataParallelTrainer, template: torch.optim.Optimizer):
+        self._trainer = trainer
+        self._template = template  # an AdamW over the model's parameters that never steps: its groups, its format
+        self.param_groups = template.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._template.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        state = self._trainer._optimizer_collective("optimizer_state", "the optimizer state's gather", "gather_state")
+        return {"state": state, "param_groups": self._template.state_dict()["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Checked here first, as torch's `load_state_dict` checks it, so that a bad state is refused before any rank
+        is asked to take its part (the trainer stays usable)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups, strict=False)
+        ):
+            raise ValueError("the optimizer state does not match the model's parameters")
+        params = self._trainer.shard.params
+        state = {int(i): st for i, st in state_dict["state"].items()}
+        for i, st in state.items():
+            if not 0 <= i < len(params) or not params[i].requires_grad:
+                raise ValueError(f"optimizer state for parameter {i}, which the model has no trainable one for")
+            missing = [k for k in ("step", *OptimizerShard.STATE_KEYS) if k not in st]
+            if missing:
+                raise ValueError(f"the optimizer state of parameter {i} lacks {missing}")
+            for key in OptimizerShard.STATE_KEYS:
+                if st[key].numel() != params[i].numel():
+                    raise ValueError(
+                        f"the optimizer state {key} of parameter {i} has {st[key].numel()} elements, the parameter "
+                        f"{params[i].numel()}"
+                    )
+        for group, saved in zip(self.param_groups, groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self._trainer._optimizer_collective(
+            "load_optimizer_state", "the optimizer state's scatter", "load_state", state
+        )

@@ -197,11 +197,14 @@ def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code, api):
 
 @pytest.mark.slow
 def test_two_trainer_ranks_killed_mid_train_leave_nothing_running_and_resume(reference, api):
-    """`resources.train_ranks: 2`, the flow's process SIGKILLed mid-train: its spawned trainer rank ends with it (no
-    process of the run is left), `lockstep resume` (two ranks again) equals the uninterrupted one-rank run, and a
-    replay of the resumed run is bitwise equal to it."""
+    """`resources.train_ranks: 2` sharding the optimizer, the flow's process SIGKILLed mid-train: its spawned trainer
+    rank ends with it (no process of the run is left), `lockstep resume` (two ranks again) equals the uninterrupted
+    one-rank run, and a replay of the resumed run is bitwise equal to it. The checkpoints' optimizer state was
+    gathered from both ranks, and the resume hands each rank its half back. (Replicated ranks resume through the
+    same path but for the optimizer's state, which rank 0 then holds alone, as one rank does.)"""
     tmp, ref_params = reference
-    cfg = write_config(tmp, "k-ranks", {"run.iterations": ITERS, "resources.train_ranks": 2})
+    settings = {"run.iterations": ITERS, "resources.train_ranks": 2, "resources.shard_optimizer": True}
+    cfg = write_config(tmp, "k-ranks", settings)
     survivors: list[str] = []
     code, log = _lockstep(["train", cfg], tmp, fault="mid-train[1]@2", survivors=survivors, api=api)
     assert code == -9, log[-3000:]

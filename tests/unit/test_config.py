@@ -996,6 +996,11 @@ def test_a_frozen_config_older_than_a_field_reads_as_its_run_trained():
             "rows, not a split of task.dataset.uri",
         ),
         (
+            ["resources.shard_optimizer=true"],
+            "resources.shard_optimizer is set but has no effect: resources.train_ranks is 1: one process holds the "
+            "whole optimizer",
+        ),
+        (
             ["algorithm.kl_coef=0.1", "train.skip_zero_advantage=true"],
             "train.skip_zero_advantage is set but has no effect: algorithm.kl_coef is 0.1: the KL term has a "
             "gradient in every group, so none is skipped",

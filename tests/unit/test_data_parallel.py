@@ -41,12 +41,13 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def _pair(loss: LossSettings, kl: bool = False, **kwargs):
+def _pair(loss: LossSettings, kl: bool = False, shard: bool = False, **kwargs):
     one = build_tiny_model(VOCAB, seed=0, **TINY)
     two = copy.deepcopy(one)
     ref = (lambda m: copy.deepcopy(m).requires_grad_(False)) if kl else (lambda m: None)
     kw = dict(lr=1e-2, grad_clip=1.0, loss=loss, shared_prompt=True, **kwargs)
-    return PolicyTrainer(one, ref(one), **kw), DataParallelTrainer(two, ref(two), ranks=2, threads=1, **kw)
+    dp = DataParallelTrainer(two, ref(two), ranks=2, threads=1, shard_optimizer=shard, **kw)
+    return PolicyTrainer(one, ref(one), **kw), dp
 
 
 def test_two_ranks_equal_one_with_kl_and_ppo_mini_batches():
@@ -79,10 +80,12 @@ def test_two_ranks_equal_one_with_kl_and_ppo_mini_batches():
         two.close()
 
 
-def test_decoupled_recompute_sends_the_proximal_weights():
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded-optimizer"])
+def test_decoupled_recompute_sends_the_proximal_weights(shard):
     """Async's decoupled loss with `prox_logp: recompute`: tokens two versions behind need the weights of one version
-    back, which rank 1 gets from rank 0 with each batch; the figures (is-weights, proximal time) come from both."""
-    one, two = _pair(LossSettings(decoupled=True, prox_logp="recompute", is_cap=None))
+    back, which rank 1 gets from rank 0 with each batch (with a sharded optimizer every rank keeps them itself before
+    its step: nothing is broadcast); the figures (is-weights, proximal time) come from both."""
+    one, two = _pair(LossSettings(decoupled=True, prox_logp="recompute", is_cap=None), shard=shard)
     try:
         for version in range(4):
             for j in range(4):
@@ -96,6 +99,7 @@ def test_decoupled_recompute_sends_the_proximal_weights():
             diff = _max_diff(one.model, two.model)
             assert diff <= 1e-5, f"version {version}: two ranks differ from one by {diff}"
         assert two.prox_version == one.prox_version == 3
+        assert _max_diff(one.prox_model, two.prox_model) <= 1e-5
     finally:
         two.close()
 
