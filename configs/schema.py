@@ -365,8 +365,9 @@ class ResourcesSection(_Section):
         False,
         description="With train_ranks >= 2: each rank holds and steps AdamW for its 1/train_ranks slice of the "
         "parameters (ZeRO stage 1), instead of rank 0 holding every moment and stepping alone; each rank takes its "
-        "slice of the gradient sum, and the stepped slices are gathered back into every replica. The same update (on gloo, two "
-        "ranks: bit for bit the replicated one's); checkpoints hold the same optimizer files either way.",
+        "slice of the gradient sum, and the stepped slices are gathered back into every replica. The same update "
+        "(on gloo, two ranks: bit for bit the replicated one's); checkpoints hold the same optimizer files either "
+        "way.",
     )
     borrow_rollout_threads: bool = Field(
         False,

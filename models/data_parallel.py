@@ -78,13 +78,14 @@ class OptimizerShard:
 
     Per dtype, the trainable parameters (in `parameters()` order) are laid end to end in one flat vector, padded to a
     multiple of the ranks, and rank r owns the r-th contiguous slice of it: for each parameter that slice touches, a
-    piece (a view of that part of the parameter, or a copy where it is not contiguous) that this rank's AdamW steps. At the optimizer step the gradients
-    are summed over the ranks (`reduce`: reduce-scattered, or on gloo all-reduced), scaled and clipped to the global
-    norm, each rank steps its pieces, and the stepped slices are gathered back into every rank's whole model
-    (`apply`). AdamW is elementwise, so this is the same update as one AdamW over the whole model, with a parameter
-    no rank had a gradient for left unstepped as there; only the order of floating-point additions (the sum over
-    ranks; the norm, with `scatter`) can differ. Each rank holds 1/ranks of AdamW's two moments instead of rank 0
-    holding all of them. Every method is a collective all ranks call in the same order."""
+    piece (a view of that part of the parameter, or a copy where it is not contiguous) that this rank's AdamW steps.
+    At the optimizer step the gradients are summed over the ranks (`reduce`: reduce-scattered, or on gloo
+    all-reduced), scaled and clipped to the global norm, each rank steps its pieces, and the stepped slices are
+    gathered back into every rank's whole model (`apply`). AdamW is elementwise, so this is the same update as one
+    AdamW over the whole model, with a parameter no rank had a gradient for left unstepped as there; only the order
+    of floating-point additions (the sum over ranks; the norm, with `scatter`) can differ. Each rank holds 1/ranks
+    of AdamW's two moments instead of rank 0 holding all of them. Every method is a collective all ranks call in the
+    same order."""
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state (amsgrad is not used by the trainer)
 

@@ -457,8 +457,9 @@ def test_the_servers_stop_installs_the_filter_before_the_shutdown_starts(monkeyp
 )
 def test_a_connection_reset_cut_by_the_shutdown_is_not_printed(tmp_path, caplog, raised, filtered, printed):
     """A pooled SQLite connection (the async pool of Prefect's server) whose work is committed and whose reset, as it
-    returns to the pool, is cancelled: SQLAlchemy logs "Exception during reset or similar" with the CancelledError and discards the
-    connection; the filter drops that record (without it, it gets through), and keeps a reset that failed otherwise."""
+    returns to the pool, is cancelled: SQLAlchemy logs "Exception during reset or similar" with the CancelledError
+    and discards the connection; the filter drops that record (without it, it gets through), and keeps a reset that
+    failed otherwise."""
     import asyncio
     import logging
 
