@@ -117,6 +117,7 @@ def shard_optimizer(model, tok_count: int, kw: dict, repeats: int) -> None:
 
     import torch
 
+    from models.data_parallel import state_numel
     from tasks.train_ranks import DataParallelTrainer
 
     torch.set_num_threads(1)
@@ -138,12 +139,7 @@ def shard_optimizer(model, tok_count: int, kw: dict, repeats: int) -> None:
                     trainer.optimizer_step()
                     t2 = time.perf_counter()
                 if r == 0:
-                    opt = trainer.optimizer
-                    state[name] = (
-                        trainer.shard.local_state_numel()
-                        if trainer.shard is not None
-                        else sum(t.numel() for st in opt.state.values() for t in st.values() if t.dim() > 0)
-                    )
+                    state[name] = state_numel(trainer.shard.optimizer if trainer.shard else trainer.optimizer)
                     final[name] = [p.detach().clone() for p in trainer.model.parameters()]
             finally:
                 trainer.close()

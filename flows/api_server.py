@@ -125,8 +125,7 @@ def main(port: int, parent: int) -> None:
 
     def stop() -> None:
         logging.getLogger(TASK_RUN_RECORDER).addFilter(RetriedFlushes())
-        for name in POOL_LOGGERS:
-            logging.getLogger(name).addFilter(CancelledResets())
+        logging.getLogger(POOL_LOGGER).addFilter(CancelledResets())
         server.should_exit = True  # uvicorn's graceful shutdown: Prefect's services flush their records
 
     watch_parent(parent, stop, period_s=0.5)  # before the server starts any thread
@@ -172,7 +171,7 @@ class RetriedFlushes(logging.Filter):
 
 
 # SQLAlchemy's pools log as `sqlalchemy.pool.impl.<class>`; Prefect's server uses the async queue pool on SQLite
-POOL_LOGGERS = ("sqlalchemy.pool.impl.AsyncAdaptedQueuePool", "sqlalchemy.pool.impl.NullPool")
+POOL_LOGGER = "sqlalchemy.pool.impl.AsyncAdaptedQueuePool"
 
 
 class CancelledResets(logging.Filter):

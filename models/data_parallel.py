@@ -28,32 +28,42 @@ def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+def _stretches(flat: torch.Tensor, params: list[torch.Tensor]):
+    """(parameter, its stretch of `flat` shaped as it) for `params` laid end to end in `flat`, in order."""
+    offset = 0
+    for p in params:
+        yield p, flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
+def state_numel(optimizer: torch.optim.Optimizer | None) -> int:
+    """Elements of an optimizer's per-element state (AdamW's moments; the step counts left out)."""
+    if optimizer is None:
+        return 0
+    return sum(t.numel() for st in optimizer.state.values() for t in st.values() if t.dim() > 0)
+
+
 def sum_gradients(module: torch.nn.Module, dst: int = 0, wait: Callable = _wait) -> None:
     """Sum the accumulated `.grad` of `module`'s trainable parameters over all ranks onto rank `dst`, in fp32, in one
     collective. On `dst` a parameter's gradient stays None only where no rank had one (AdamW skips such a
     parameter, as it would in one process); on the other ranks every gradient is dropped. `wait(work)` waits for
     the collective (a caller may watch the other ranks meanwhile)."""
     params = _trainable(module)
-    sizes = [p.numel() for p in params]
-    total = sum(sizes)
+    total = sum(p.numel() for p in params)
     flat = torch.zeros(total + len(params), dtype=torch.float32, device=params[0].device)
-    offset = 0
-    for i, p in enumerate(params):
+    for i, (p, stretch) in enumerate(_stretches(flat, params)):
         if p.grad is not None:
-            flat[offset : offset + sizes[i]] = p.grad.reshape(-1)
+            stretch.copy_(p.grad)
             flat[total + i] = 1.0  # this rank has a gradient for parameter i
-        offset += sizes[i]
     wait(dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, async_op=True))
     if dist.get_rank() != dst:
         for p in params:
             p.grad = None
         return
     has_grad = flat[total:].cpu().tolist()  # one device-to-host copy, not one per parameter
-    offset = 0
-    for i, p in enumerate(params):
+    for i, (p, stretch) in enumerate(_stretches(flat, params)):
         if has_grad[i] > 0:
-            p.grad = flat[offset : offset + sizes[i]].view_as(p).to(p.dtype).clone()
-        offset += sizes[i]
+            p.grad = stretch.to(p.dtype).clone()
 
 
 def broadcast_weights(modules: list[torch.nn.Module], src: int = 0, wait: Callable = _wait) -> None:
@@ -66,11 +76,9 @@ def broadcast_weights(modules: list[torch.nn.Module], src: int = 0, wait: Callab
         wait(dist.broadcast(flat, src=src, async_op=True))
         if dist.get_rank() == src:
             continue
-        offset = 0
         with torch.no_grad():
-            for p in group:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, stretch in _stretches(flat, group):
+                p.copy_(stretch)
 
 
 class OptimizerShard:
@@ -125,7 +133,7 @@ class OptimizerShard:
         # gloo's reduce-scatter starts only inside `wait()`, which a caller watching the other ranks by polling never
         # reaches, and took twice its all-reduce's time here: on gloo every rank sums the whole gradient instead
         self.scatter = dist.get_backend() != "gloo"
-        self._flags: list[float] = []  # the last `reduce`'s gradient flags per parameter: 1 summed, 0.5 zero, 0 none
+        self._stepping: set[int] = set()  # the parameters the last `reduce` gave a gradient (summed or zero)
 
     def refresh(self) -> None:
         """Take the pieces' values from the model (after its weights were written, e.g. broadcast from rank 0): only
@@ -138,9 +146,7 @@ class OptimizerShard:
 
     def local_state_numel(self) -> int:
         """Elements of AdamW state this rank holds."""
-        if self.optimizer is None:
-            return 0
-        return sum(t.numel() for st in self.optimizer.state.values() for t in st.values() if t.dim() > 0)
+        return state_numel(self.optimizer)
 
     def reduce(self, scale: float, max_norm: float, forced: list[int] | None, wait: Callable = _wait) -> float:
         """Sum every rank's accumulated gradient and keep this rank's slice, times `scale`, clipped to `max_norm`
@@ -155,20 +161,14 @@ class OptimizerShard:
         sizes = [size * self.world for _, _, size in self.layout]
         flags_here = 0 if self.scatter else len(self.params)  # without `scatter` the flags ride with the sum
         buffer = torch.zeros(sum(sizes) + flags_here, dtype=torch.float32, device=self.device)
-        flats = list(buffer.split([*sizes, flags_here]))
-        has = (
-            flats.pop() if not self.scatter else torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
-        )
+        *flats, has = buffer.split([*sizes, flags_here])
         if self.scatter:
-            flats.pop()
+            has = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
         for (_, indices, _), flat in zip(self.layout, flats, strict=True):
-            offset = 0
-            for i in indices:
-                p = self.params[i]
+            for i, (p, stretch) in zip(indices, _stretches(flat, [self.params[i] for i in indices]), strict=True):
                 if p.grad is not None:
-                    flat[offset : offset + p.numel()] = p.grad.reshape(-1)
+                    stretch.copy_(p.grad)
                     has[i] = 1.0
-                offset += p.numel()
         for p in self.params:
             p.grad = None
         if not self.scatter:
@@ -182,14 +182,11 @@ class OptimizerShard:
         grads: dict[int, torch.Tensor] = {}  # without `scatter`: each parameter's whole gradient
         if not self.scatter:
             for (_, indices, _), flat in zip(self.layout, flats, strict=True):
-                offset = 0
-                for i in indices:
-                    p = self.params[i]
+                for i, (p, stretch) in zip(indices, _stretches(flat, [self.params[i] for i in indices]), strict=True):
                     if flags[i] == 1.0:  # as `sum_gradients` then `PolicyTrainer._step` make it
-                        grads[i] = flat[offset : offset + p.numel()].view_as(p).to(p.dtype).mul_(scale)
+                        grads[i] = stretch.to(p.dtype).mul_(scale)
                     elif flags[i]:
                         grads[i] = torch.zeros_like(p)
-                    offset += p.numel()
             whole = [grads[i] for i in sorted(grads)]
             norm = torch.nn.utils.get_total_norm(whole, 2.0) if whole else torch.zeros((), device=self.device)
             pieces = [grads[i].reshape(-1)[a:b] if i in grads else None for i, a, b, _ in self.pieces]
@@ -219,7 +216,7 @@ class OptimizerShard:
         held = [c for c in self.copies if c.grad is not None]
         if held:
             torch.nn.utils.clip_grads_with_norm_(held, max_norm, norm)
-        self._flags = flags
+        self._stepping = {i for i, f in enumerate(flags) if f}
         return float(norm)
 
     def zero_grad(self) -> None:
@@ -233,7 +230,7 @@ class OptimizerShard:
             self.optimizer.param_groups[0].update(settings)
             self.optimizer.step()
             self.zero_grad()
-        self.stepped.update(i for i, f in enumerate(self._flags) if f > 0)
+        self.stepped |= self._stepping
         for dtype, indices, size in self.layout:
             mine = torch.zeros(size, dtype=dtype, device=self.device)
             for (_, a, b, at), c in zip(self.pieces, self.copies, strict=True):
@@ -241,12 +238,9 @@ class OptimizerShard:
                     mine[at : at + b - a] = c.detach()
             whole = torch.empty(size * self.world, dtype=dtype, device=self.device)
             wait(_all_gather_single(whole, mine, async_op=True))
-            offset = 0
             with torch.no_grad():
-                for i in indices:
-                    p = self.params[i]
-                    p.copy_(whole[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                for p, stretch in _stretches(whole, [self.params[i] for i in indices]):
+                    p.copy_(stretch)
 
     def _piece_state(self, c: torch.nn.Parameter) -> dict:
         return self.optimizer.state.get(c, {}) if self.optimizer is not None else {}

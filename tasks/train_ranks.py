@@ -296,8 +296,7 @@ class DataParallelTrainer(PolicyTrainer):
         self._synced_ref = False
         # rank 0's weights may change between batches (restore, bootstrap): replicas are sent them per batch; with a
         # sharded optimizer every rank steps the same weights, so they are sent only when rank 0's have changed since
-        self._needs_sync = True
-        self._synced_print: list | None = None
+        self._synced_print: list | None = None  # `_print()` when the ranks last had rank 0's weights; None: unsent
         self._batch_start = True
         self._verdict: tuple = ("discard",)  # the last optimizer step's, as sent to the ranks
         self._refusal: RuntimeError | None = None  # why a sharded step was refused before any rank took part
@@ -396,7 +395,6 @@ class DataParallelTrainer(PolicyTrainer):
         if self.shard is not None:
             self.shard.refresh()
         self._synced_ref = True
-        self._needs_sync = False
         self._synced_print = self._print()
 
     def _print(self) -> list[tuple[int, int]]:
@@ -419,7 +417,7 @@ class DataParallelTrainer(PolicyTrainer):
         if not groups:
             raise ValueError("micro_step needs at least one group")
         self._check_usable()
-        if self._needs_sync or (self.shard is not None and self._synced_print != self._print()):
+        if self._synced_print is None or (self.shard is not None and self._synced_print != self._print()):
             self._sync()
         if self._batch_start:
             self._batch_start = False
@@ -445,7 +443,8 @@ class DataParallelTrainer(PolicyTrainer):
         `PolicyTrainer.optimizer_step`, or (sharded optimizer) every rank told the batch's scale and settings and
         `_step` run by all of them."""
         self._check_usable()
-        self._needs_sync = self.shard is None
+        if self.shard is None:  # rank 0 alone steps: its new weights go out with the next batch
+            self._synced_print = None
         self._batch_start = True
         try:
             replies = []

@@ -421,7 +421,7 @@ def test_the_servers_stop_installs_the_filter_before_the_shutdown_starts(monkeyp
     import tasks.workers
 
     logger = logging.getLogger(api_server.TASK_RUN_RECORDER)
-    pool = logging.getLogger(api_server.POOL_LOGGERS[0])
+    pool = logging.getLogger(api_server.POOL_LOGGER)
     ours = lambda: [f for f in logger.filters if isinstance(f, api_server.RetriedFlushes)]  # noqa: E731
     resets = lambda: [f for f in pool.filters if isinstance(f, api_server.CancelledResets)]  # noqa: E731
     stops = []
@@ -445,9 +445,8 @@ def test_the_servers_stop_installs_the_filter_before_the_shutdown_starts(monkeyp
     finally:
         for f in ours():
             logger.removeFilter(f)
-        for name in api_server.POOL_LOGGERS:
-            for f in [f for f in logging.getLogger(name).filters if isinstance(f, api_server.CancelledResets)]:
-                logging.getLogger(name).removeFilter(f)
+        for f in resets():
+            pool.removeFilter(f)
 
 
 @pytest.mark.parametrize(
@@ -470,7 +469,7 @@ def test_a_connection_reset_cut_by_the_shutdown_is_not_printed(tmp_path, caplog,
     pool_logger = logging.getLogger(
         type(engine.sync_engine.pool).__module__ + "." + type(engine.sync_engine.pool).__name__
     )
-    assert pool_logger.name in api_server.POOL_LOGGERS
+    assert pool_logger.name == api_server.POOL_LOGGER
     error = asyncio.CancelledError() if raised == "cancelled" else OSError("disk I/O error")
 
     def failing_rollback(dbapi_connection):
