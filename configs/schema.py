@@ -170,9 +170,12 @@ class DatasetSection(_Section):
 class TaskSection(_Section):
     kind: Literal["arithmetic", "dataset"] = Field("arithmetic", description="Synthetic arithmetic, or a dataset.")
     dataset: DatasetSection | None = Field(None, description="The prompt dataset, for kind: dataset.")
-    reward: Literal["arithmetic", "math_verify"] = Field(
+    reward: str = Field(
         "arithmetic",
-        description="arithmetic: exact match plus partial credit; math_verify: symbolic equality (math-verify).",
+        description="arithmetic: exact match plus partial credit; math_verify: symbolic equality (math-verify); or "
+        "your own function, FILE.py:FUNCTION or MODULE:FUNCTION, called as f(response, answer) (and prompt= if it "
+        "takes it) for a float; held-out accuracy counts a reward >= 1.0 as correct. A relative FILE is read from "
+        "the working directory (the run keeps its absolute path).",
     )
     max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")
@@ -194,6 +197,13 @@ class TaskSection(_Section):
         "answers. null: on for kind arithmetic, off for dataset (answers that reason over several lines, as GSM8K's do "
         "before '#### n').",
     )
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, reward: str) -> str:
+        from models.rewards import absolute_spec
+
+        return absolute_spec(reward)  # ValueError (the forms to give) for anything else
 
     def newline_stop(self) -> bool:
         """Whether responses end at a newline token (`stop_at_newline`, resolved by the task's kind)."""
@@ -783,7 +793,7 @@ _INERT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[Config], str | None]],
     (
         "task",
         ("partial_credit",),
-        lambda c: "task.reward is 'math_verify'" if c.task.reward == "math_verify" else None,
+        lambda c: f"task.reward is {c.task.reward!r}" if c.task.reward != "arithmetic" else None,
     ),
     (
         "task",

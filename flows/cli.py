@@ -43,22 +43,28 @@ class _DropReported(logging.Filter):
         PoolClosed.WORDS,  # a rollout task cancelled by the stop's cleanup
     )
 
-    def __init__(self, errors: tuple[type[BaseException], ...]):
+    def __init__(self, errors: tuple[type[BaseException], ...], logged: list[BaseException] | None = None):
         super().__init__()
         self.errors = errors
+        self.logged = logged if logged is not None else []  # the exceptions logged with their traceback
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], self.errors):
             return False
         message = record.getMessage()
-        return not any(stop in message for stop in self.STOPPED)
+        if any(stop in message for stop in self.STOPPED):
+            return False
+        if record.exc_info and record.exc_info[1] is not None:
+            self.logged.append(record.exc_info[1])
+        return True
 
 
 @contextlib.contextmanager
-def _reported_by_cli(*errors: type[BaseException]):
-    """While a flow runs, Prefect's run loggers leave `errors` to the CLI's message."""
+def _reported_by_cli(*errors: type[BaseException], logged: list[BaseException] | None = None):
+    """While a flow runs, Prefect's run loggers leave `errors` to the CLI's message; `logged` hears each exception
+    they print with its traceback."""
     loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
-    drop = _DropReported(errors)
+    drop = _DropReported(errors, logged)
     for lg in loggers:
         lg.addFilter(drop)
     try:
@@ -234,6 +240,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
         check_backend,
         check_inputs,
         check_prefect_api,
+        check_reward,
         check_run_free,
         check_tracking,
         thread_budget_note,
@@ -242,6 +249,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     try:
         cfg = load_config(config_path, overrides, source, frozen=resume)  # fail fast, before Prefect or any work
         device = check_backend(cfg)  # first, as in open_session: a missing extra is the first thing to install
+        check_reward(cfg, resumed=resume)  # a resumed run's too: its workers import the function again
         if not resume:  # a resumed run's v0 is in the lake already: its model.path may be gone since
             check_inputs(cfg)  # the model and dataset it names exist and read
             _refuse_memory(Lake(cfg.lake.uri))  # (resume's --lake was refused already)
@@ -275,9 +283,10 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
     train_mod.progress_hook = progress
     t0 = time.perf_counter()
     input_errors = (RunExistsError, RunInUseError, ConfigError, DatasetError, ModelDirError)
+    logged: list[BaseException] = []  # what the flow's log printed with its traceback
     try:
         server_started()
-        with _reported_by_cli(*input_errors):
+        with _reported_by_cli(*input_errors, logged=logged):
             summary = train_mod.train_flow(config_path=config_path, overrides=overrides, resume=resume)
     except (*input_errors, FileNotFoundError, CheckpointError) as e:  # input errors the flow finds only as it reads
         # them (a dataset's rows, the run to resume); the last two can also come from a bug or a damaged lake, so
@@ -296,6 +305,18 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
                 f"`lockstep resume {run_id} --lake {cfg.lake.uri}`"
             )
         return 130
+    except Exception as e:  # the run failed: where the flow's log printed the traceback above (the user's code's, for a
+        # reward function that raised), close with what failed and how to go on
+        progress.stop()
+        run_id = progress.run_id or cfg.run.run_id
+        if not any(e is x for x in logged) or run_id is None or not _run_created(cfg.lake.uri, run_id):
+            raise  # not printed (the API server's start, Prefect's own set-up), or before the run existed
+        _error(
+            console,
+            f"run {run_id} failed: {_failure(e)}. It keeps its promoted versions: once the cause is fixed, continue "
+            f"it with `lockstep resume {run_id} --lake {cfg.lake.uri}`",
+        )
+        return 1
     finally:
         progress.stop()
     console.print(
@@ -389,6 +410,16 @@ def _refuse_memory(lake) -> None:
             f"lake {lake.uri!r} lives in one process's memory (memory:// is for tests): a command would find it "
             "empty and a run's rollout workers could not share it; give a folder or an object store (s3://...)"
         )
+
+
+def _failure(e: BaseException) -> str:
+    """One line for a failed run's exception: its type and first line; for a process's ("rollout worker 0 failed:",
+    "trainer rank 1 failed:", then that process's traceback), the first line and the traceback's last (what it
+    raised)."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    if len(lines) > 2 and lines[1].startswith("Traceback (most recent call last)"):
+        return f"{lines[0]} {lines[-1]}"
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def _run_created(lake_uri: str, run_id: str) -> bool:
@@ -709,10 +740,12 @@ def cmd_eval(args) -> int:
     """Held-out accuracy of stored versions of a run, measured again from their checkpoints."""
     from flows import evaluate
     from storage.checkpoints import CheckpointError
+    from tasks.preflight import check_reward
 
     lake = _lake(args.lake)
     try:
         cfg = _run_config(lake, args.run_id)
+        check_reward(cfg, resumed=True)  # held-out answers are scored by the run's reward: before any generation
         versions = evaluate.chosen_versions(lake, args.run_id, args.version, args.every)
     except (OSError, ValueError, CheckpointError) as e:
         print(f"error: {_os_reason(e) if isinstance(e, OSError) else e}", file=sys.stderr)
@@ -825,11 +858,12 @@ def cmd_serve(args) -> int:
 
     from configs.schema import ConfigError, inert_settings, load_config
     from storage.lake import Lake
-    from tasks.preflight import check_backend, check_inputs, check_prefect_api, check_tracking
+    from tasks.preflight import check_backend, check_inputs, check_prefect_api, check_reward, check_tracking
 
     try:  # the deployment's default parameters: a bad config would fail every triggered run
         cfg = load_config(args.config, args.override)
         check_backend(cfg)  # first, as in train and open_session: a missing extra is the first thing to install
+        check_reward(cfg)
         check_inputs(cfg)
         _refuse_memory(Lake(cfg.lake.uri))
         if args.cron is not None:  # Prefect refused it only once the deployment was being published: a traceback

@@ -1,17 +1,191 @@
-"""Reward functions by name: the one dispatch from a task's `reward` setting to the function that scores."""
+"""Reward functions: the one dispatch from a task's `reward` setting to the function that scores a response.
+
+`reward` is a built-in kind (`arithmetic`, `math_verify`) or the user's own function, named `FILE.py:FUNCTION` or
+`MODULE:FUNCTION` (an importable module, e.g. an installed package's). A user's function is called as
+`fn(response, answer)`, with `prompt=` added when it declares a `prompt` parameter (or `**kwargs`), and returns a
+finite real number (a bool counts as 0 / 1). It runs in every rollout worker process (spawned: each imports it
+itself) and in the trainer's process for held-out accuracy, where a greedy answer counts as correct when its
+reward is at least 1.0.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
 from models import arithmetic
 
+BUILTIN_REWARDS = ("arithmetic", "math_verify")
+Scorer = Callable[..., float]  # (response, answer, prompt="") -> reward
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+FORMS = "'arithmetic', 'math_verify', FILE.py:FUNCTION or MODULE:FUNCTION"
 
-def score(kind: str, response: str, answer: str, partial_credit: float = 0.0) -> float:
-    """The reward of one response (1.0 = correct): `arithmetic` (exact match, optional per-digit partial credit)
-    or `math_verify` (symbolic equality of the final answer)."""
+
+class RewardError(ValueError):
+    """A user's reward function that cannot be loaded, raised, or returned something that is not a reward."""
+
+
+def function_spec(kind: str) -> tuple[str, str] | None:
+    """(source, function name) of a user's reward `FILE.py:FUNCTION` or `MODULE:FUNCTION`; None for a built-in kind.
+    ValueError (the form to use) for anything else."""
+    if kind in BUILTIN_REWARDS:
+        return None
+    source, sep, name = kind.rpartition(":")
+    if not sep or not source or not _NAME.fullmatch(name):
+        raise ValueError(f"{kind!r} is neither a built-in reward nor a function: give {FORMS}")
+    if "://" in source:
+        raise ValueError(f"{kind!r}: a reward function is read from a local file or an importable module, not a URL")
+    if not source.endswith(".py") and not all(_NAME.fullmatch(part) for part in source.split(".")):
+        raise ValueError(
+            f"{kind!r}: {source!r} is neither a .py file nor a module name (dotted identifiers): give {FORMS}"
+        )
+    return source, name
+
+
+def absolute_spec(kind: str) -> str:
+    """`kind` with a relative `FILE.py` made absolute (from the working directory), so that a run's frozen config
+    names the same file wherever it is resumed from."""
+    spec = function_spec(kind)
+    if spec is None or not spec[0].endswith(".py"):
+        return kind
+    return f"{Path(spec[0]).expanduser().absolute()}:{spec[1]}"
+
+
+def reward_function(kind: str, partial_credit: float = 0.0) -> Scorer:
+    """The scorer `kind` names, called as `scorer(response, answer, prompt="")`: `arithmetic` (exact match plus
+    `partial_credit` x per-digit credit), `math_verify` (symbolic equality of the final answer), or a user's function
+    (loaded and checked here; RewardError says what is wrong)."""
     if kind == "arithmetic":
-        return arithmetic.reward(response, answer, partial_credit)
+        return lambda response, answer, prompt="": arithmetic.reward(response, answer, partial_credit)
     if kind == "math_verify":
         from models.verifier import math_reward
 
-        return math_reward(response, answer)
-    raise ValueError(f"unknown reward kind {kind!r}: expected 'arithmetic' or 'math_verify'")
+        return lambda response, answer, prompt="": math_reward(response, answer)
+    try:
+        spec = function_spec(kind)
+    except ValueError as e:
+        raise RewardError(f"unknown reward kind: {e}") from None
+    return _user_scorer(kind, *spec)
+
+
+def _user_scorer(kind: str, source: str, name: str) -> Scorer:
+    module = _module(kind, source)
+    fn = getattr(module, name, None)
+    if fn is None:
+        where = source if source.endswith(".py") else f"{source} ({getattr(module, '__file__', None)})"
+        raise RewardError(f"task.reward {kind!r}: {where} defines no {name!r}")
+    if not callable(fn):
+        raise RewardError(f"task.reward {kind!r}: {name} is a {type(fn).__name__}, not a function")
+    if inspect.iscoroutinefunction(fn):
+        raise RewardError(
+            f"task.reward {kind!r}: {name} is async; a reward function returns its value (run a coroutine inside it "
+            "with asyncio.run)"
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable whose signature Python cannot read (some C functions)
+        signature = None
+    params = signature.parameters if signature is not None else {}
+    takes_prompt = any(p.kind is p.VAR_KEYWORD for p in params.values()) or (
+        "prompt" in params and params["prompt"].kind is not inspect.Parameter.POSITIONAL_ONLY
+    )
+    if signature is not None:
+        try:
+            signature.bind("response", "answer", **({"prompt": ""} if takes_prompt else {}))
+        except TypeError as e:
+            raise RewardError(
+                f"task.reward {kind!r}: {name}{signature} cannot be called as {name}(response, answer"
+                f"{', prompt=...' if takes_prompt else ''}) ({e}); a reward function takes the response and the "
+                "reference answer (and, optionally, prompt=)"
+            ) from None
+
+    def scorer(response: str, answer: str, prompt: str = "") -> float:
+        try:
+            value = fn(response, answer, prompt=prompt) if takes_prompt else fn(response, answer)
+        except Exception as e:
+            raise RewardError(
+                f"task.reward {kind!r} raised {_first_line(e)} (scoring the response {_shown(response)} against the "
+                f"answer {_shown(answer)})"
+            ) from e
+        if not isinstance(value, numbers.Real) and getattr(value, "shape", None) == () and hasattr(value, "item"):
+            value = value.item()  # a NumPy scalar (np.bool_ too) or a 0-d tensor
+        if not isinstance(value, numbers.Real):
+            kind_of = type(value).__qualname__
+            kind_of = kind_of if type(value).__module__ == "builtins" else f"{type(value).__module__}.{kind_of}"
+            raise RewardError(
+                f"task.reward {kind!r} returned {_shown(value)} ({kind_of}) for the response {_shown(response)}: a "
+                "reward is a real number (a float; 1.0 counts as correct in held-out accuracy)"
+            )
+        value = float(value)
+        if not math.isfinite(value):
+            raise RewardError(
+                f"task.reward {kind!r} returned {value} for the response {_shown(response)}: a reward must be finite"
+            )
+        return value
+
+    return scorer
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _shown(value: object) -> str:
+    """`repr(value)`, cut to 200 characters (a response can run to thousands)."""
+    return _cut(repr(value))
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception as one line: its type and its message's first line (cut)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {_cut(lines[0]) if lines else ''}{' ...' if len(lines) > 1 else ''}"
+
+
+def _module(kind: str, source: str):
+    """The module `source` names: a .py file, loaded under a name of its own (its absolute path's digest), or an
+    importable module."""
+    if source.endswith(".py"):
+        path = Path(source).expanduser().absolute()
+        if not path.is_file():
+            raise RewardError(f"task.reward {kind!r}: no file {path}")
+        stat = path.stat()  # an edited file is loaded again (a notebook's second run), not taken from the cache
+        key = f"{path}\0{stat.st_mtime_ns}\0{stat.st_size}"
+        module_name = f"lockstep_reward_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module  # as an import does: its dataclasses and pickles look it up there
+        try:
+            loader_spec.loader.exec_module(module)
+        except BaseException as e:
+            sys.modules.pop(module_name, None)
+            if not isinstance(e, Exception):  # a Ctrl-C, or the file calling exit()
+                raise
+            hint = (
+                f" (a file's folder is not on the import path: add {path.parent} to PYTHONPATH for the modules beside "
+                "it)"
+                if isinstance(e, ModuleNotFoundError)
+                else ""
+            )
+            raise RewardError(f"task.reward {kind!r}: importing {path} raised {_first_line(e)}{hint}") from e
+        return module
+    try:
+        return importlib.import_module(source)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (source == e.name or source.startswith(f"{e.name}.")):
+            raise RewardError(
+                f"task.reward {kind!r}: no module {e.name!r} on this Python's path: install it, add its folder to "
+                "PYTHONPATH, or name the file (FILE.py:FUNCTION)"
+            ) from None
+        raise RewardError(f"task.reward {kind!r}: importing {source} raised {_first_line(e)}") from e
+    except Exception as e:
+        raise RewardError(f"task.reward {kind!r}: importing {source} raised {_first_line(e)}") from e

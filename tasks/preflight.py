@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from configs.schema import Config, ConfigError
@@ -110,6 +111,31 @@ def resolve_device(kind: str):
             )
         import torch_npu  # noqa: F401
     return torch.device(kind)
+
+
+def check_reward(cfg: Config, resumed: bool = False) -> None:
+    """`task.reward` loads: math-verify is installed for `math_verify`; a user's function is imported here and its
+    signature checked (each rollout worker imports it again in its own process). `resumed`: the setting is a run's
+    frozen one, whose file may have moved since."""
+    import importlib.util
+
+    from models.rewards import RewardError, function_spec, reward_function
+
+    kind = cfg.task.reward
+    if kind == "math_verify" and importlib.util.find_spec("math_verify") is None:
+        raise InputError(
+            "task.reward is 'math_verify' but math-verify is not installed: pip install 'math-verify>=0.7'"
+        )
+    spec = function_spec(kind)
+    if resumed and spec is not None and spec[0].endswith(".py") and not Path(spec[0]).is_file():
+        raise InputError(
+            f"task.reward {kind!r}: no file {spec[0]}; this is the run's frozen setting: put the file (or a link to "
+            "it) back at that path"
+        )
+    try:
+        reward_function(kind, cfg.task.partial_credit)
+    except RewardError as e:
+        raise InputError(str(e)) from None
 
 
 def check_backend(cfg: Config):

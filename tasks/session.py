@@ -27,7 +27,7 @@ import torch
 from configs.schema import Config, flatten, resolved_json
 from models import arithmetic
 from models.bootstrap import greedy_answers, sft
-from models.rewards import score
+from models.rewards import reward_function
 from models.tiny import (
     DEFAULT_ALPHABET,
     build_char_tokenizer,
@@ -48,6 +48,7 @@ from tasks.preflight import (
     attention_kernel,
     check_backend,
     check_inputs,
+    check_reward,
     check_tracking,
     run_exists_error,
 )
@@ -237,9 +238,10 @@ def unwritable_text(
 ) -> list[str]:
     """Warnings, one line each, of text the policy cannot read or write: characters the tokenizer encodes as its
     unknown token (the built-in character tokenizer knows a few letters: a dataset's capitals were <unk>), in the
-    prompts or in the reference answers (which no response can then match), and answers longer in tokens than a
+    prompts or in the reference answers (which no response can then write out), and answers longer in tokens than a
     response may be (`ops: ["*"]` with max_operand 1000 has 7-digit answers, max_new_tokens 6). Either way a
-    reward of 1.0 is out of reach for those prompts, and nothing said so. An answer's tokens are counted after its
+    reward of 1.0 is out of reach for those prompts under the built-in rewards (a user's function may accept another
+    form: the notes then say what cannot be written, not what it scores), and nothing said so. An answer's tokens are counted after its
     prompt (prompt + answer less the prompt's ids, `*_ids`): alone, a SentencePiece tokenizer gives it a word-start
     token more."""
     notes = []
@@ -256,7 +258,7 @@ def unwritable_text(
         )
         for what, field, effect in (
             ("prompts", "text", "the model reads them as <unk>"),
-            ("reference answers", "answer", "no response can match them"),
+            ("reference answers", "answer", "no response can write them out"),
         ):
             found = [unknown & set(getattr(p, field)) for p in everything]
             if any(found):
@@ -266,12 +268,11 @@ def unwritable_text(
                     f"{sum(map(bool, found))} of {len(everything)} {what} hold characters the tokenizer encodes as "
                     f"its unknown token ({shown}): {effect}; {hint}"
                 )
-    too_long = (
-        "no response can hold them, so their reward stays below 1.0"
-        if cfg.task.reward == "arithmetic"
-        else "a response cannot write them out as given (math_verify also takes an equivalent form, which may be "
-        "shorter)"
-    )
+    too_long = {
+        "arithmetic": "no response can hold them, so their reward stays below 1.0",
+        "math_verify": "a response cannot write them out as given (math_verify also takes an equivalent form, which "
+        "may be shorter)",
+    }.get(cfg.task.reward, "a response cannot write them out as given (task.reward's function may take another form)")
     for prompts, alone, name, field, limit in (
         (train_prompts, train_ids, "training", "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
         (eval_prompts, eval_ids, "held-out", "eval.max_new_tokens", cfg.eval.max_new_tokens),
@@ -467,8 +468,8 @@ def accuracy(
     reward_kind: str = "arithmetic",
     stop_at_newline: bool = True,
 ) -> float:
-    """Fraction of greedy answers the task's reward scores as correct (exact match for arithmetic); an answer ends
-    at EOS, and at a newline token with `stop_at_newline`."""
+    """Fraction of greedy answers the task's reward scores as correct, a reward of at least 1.0 (exact match for
+    arithmetic); an answer ends at EOS, and at a newline token with `stop_at_newline`."""
     was_training = model.training
     outs = greedy_answers(
         model,
@@ -480,14 +481,13 @@ def accuracy(
         other_eos_ids=other_eos_ids(getattr(model, "generation_config", None), tok),
     )
     model.train(was_training)
-    hits = sum(
-        score(reward_kind, tok.decode(o, skip_special_tokens=True), p.answer) == 1.0 for o, p in zip(outs, prompts)
-    )
+    reward = reward_function(reward_kind)  # full credit: partial credit is not correct
+    hits = sum(reward(tok.decode(o, skip_special_tokens=True), p.answer, p.text) >= 1.0 for o, p in zip(outs, prompts))
     return hits / len(prompts)
 
 
 def evaluate(session: RunSession) -> float:
-    """Held-out accuracy: exact match of the greedy answer."""
+    """Held-out accuracy: the fraction of greedy answers with full reward (exact match for arithmetic)."""
     return accuracy(
         session.trainer.model,
         session.tokenizer,
@@ -558,6 +558,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
     auto_id = cfg.run.run_id is None and not resume
     base_id = validate_run_id(default_run_id(cfg))
     device = check_backend(cfg)  # before any work: the device exists, the optional extras are installed
+    check_reward(cfg, resumed=resume)  # a user's reward function imports and takes (response, answer)
     cfg = cfg.model_copy(deep=True)
     lake = Lake(cfg.lake.uri)
     torch.set_num_threads(cfg.resources.train_threads)

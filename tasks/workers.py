@@ -227,11 +227,13 @@ class _Worker:
 
         torch.set_num_threads(spec.threads)
         from models.engine import SamplingParams
+        from models.rewards import reward_function
         from models.tiny import load_hf, other_eos_ids, single_token_id
         from storage.lake import Lake
 
         self.id, self.spec, self.commands, self.parent = worker_id, spec, commands, parent
         self.lake = Lake(spec.lake_uri)
+        self.reward = reward_function(spec.reward_kind, spec.partial_credit)  # a user's: imported in this process
         self.vllm = None
         if spec.engine == "vllm":
             from transformers import AutoTokenizer
@@ -284,7 +286,6 @@ class _Worker:
     def generate_chunk(self, chunk: Chunk, poll_update=None) -> dict:
         """Generate the chunk's groups on the weights held now, score them, publish them as one shard."""
         from models.engine import generate_groups, sample_seed
-        from models.rewards import score
         from storage.shards import SampleRecord, write_shard
 
         spec, tok = self.spec, self.tokenizer
@@ -331,7 +332,7 @@ class _Worker:
                         response_ids=s.response_ids,
                         behavior_logprobs=s.logprobs,
                         token_versions=s.token_versions,
-                        reward=score(spec.reward_kind, resp, answer, spec.partial_credit),
+                        reward=self.reward(resp, answer, text),
                         finish_reason=s.finish_reason,
                         prompt_text=text,
                         response_text=resp,

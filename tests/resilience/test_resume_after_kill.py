@@ -155,6 +155,9 @@ def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code, api):
     cfg = write_config(tmp, run_id, {"run.iterations": ITERS})
     code, log = _lockstep(["train", cfg], tmp, fault=fault, api=api)
     assert code == exit_code, log[-3000:]
+    if exit_code == 1:  # the flow failed: its last line says what failed and how to continue the run
+        assert log.rstrip().endswith(f"`lockstep resume {run_id} --lake {tmp / 'lake'}`"), log[-3000:]
+        assert f"error: run {run_id} failed: WorkerError: a rollout worker died." in log, log[-3000:]
     lake_uri = str(tmp / "lake")
     lake = Lake(lake_uri)
     assert ledger.read_record(lake, run_id, ITERS - 1) is None or ledger.read_all(lake, run_id)[-1]["state"] != (

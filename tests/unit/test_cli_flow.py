@@ -575,6 +575,65 @@ def test_a_stopped_train_names_its_run_and_how_to_resume_it(monkeypatch, capsys,
     ) in cli_stderr(capsys)
 
 
+@pytest.mark.parametrize(
+    "error, said",
+    [
+        (
+            "WorkerError",
+            "rollout worker 0 failed: models.rewards.RewardError: task.reward 'r.py:f' raised KeyError: '3'",
+        ),
+        (RuntimeError("rank 1 died\nmore detail"), "RuntimeError: rank 1 died"),
+    ],
+    ids=["worker", "other"],
+)
+def test_a_failed_train_ends_with_what_failed_and_how_to_resume_it(monkeypatch, capsys, tmp_path, error, said):
+    """Where the flow's log printed the traceback, the command's last line says what failed (for a rollout worker,
+    the last line of its traceback: a user's reward function that raised) and how to continue the run; exit 1. A
+    failure the log did not print (the API server's start, Prefect's own set-up), or one before the run was written,
+    is raised with its traceback as before."""
+    import logging
+
+    from tasks.workers import WorkerError
+
+    if error == "WorkerError":
+        error = WorkerError(
+            'rollout worker 0 failed:\nTraceback (most recent call last):\n  File "r.py", line 2, in f\n'
+            "KeyError: '3'\n\nmodels.rewards.RewardError: task.reward 'r.py:f' raised KeyError: '3'\n"
+        )
+    printed = []
+
+    def flow(config_path, overrides, resume):
+        for event in [
+            {"event": "setup", "run_id": None},
+            {"event": "start", "run_id": "arith-123", "iterations": 3, "start": 0, "accuracy": 0.5},
+        ]:
+            train_mod.progress_hook(event)
+        if printed:  # as Prefect's flow engine logs a failure: "Encountered exception during execution"
+            logging.getLogger("prefect.flow_runs").error("Encountered exception", exc_info=error)
+        raise error
+
+    replace_flow(monkeypatch, flow)
+    lake = tmp_path / "lake"
+    for written, logged in ((False, True), (True, False)):
+        if written:
+            (lake / "runs" / "arith-123").mkdir(parents=True)
+            (lake / "runs" / "arith-123" / "config.json").write_text("{}")
+        printed[:] = [True] if logged else []
+        with pytest.raises(type(error)):
+            cli.main(["train", ARITH, "-o", f"lake.uri={lake}"])
+        capsys.readouterr()
+    printed[:] = [True]
+    assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}"]) == 1
+    err = capsys.readouterr().err
+    assert "Encountered exception" in err  # the log's record, with the traceback
+    assert squash(err).endswith(
+        squash(
+            f"error: run arith-123 failed: {said}. It keeps its promoted versions: once the cause is fixed, "
+            f"continue it with `lockstep resume arith-123 --lake {lake}`\n"
+        )
+    )
+
+
 @pytest.mark.parametrize("run_id", [None, "arith-123"], ids=["no-id-yet", "id-but-no-config"])
 def test_a_train_stopped_before_its_run_started(monkeypatch, capsys, tmp_path, run_id):
     """Stopped before the run's config.json was written (the flow's setup, the tracking check, the lease): nothing

@@ -633,6 +633,31 @@ def test_a_flow_called_with_an_unreachable_tracking_server_writes_nothing(tmp_pa
     assert not list(lake.rglob("*.json")), "nothing of the run may be written"
 
 
+def test_cli_train_with_a_reward_function_that_cannot_serve_exits_2_before_the_flow(tmp_path, capsys, monkeypatch):
+    from tests.unit.test_cli_commands import replace_flow
+
+    server = replace_flow(monkeypatch, lambda **kwargs: pytest.fail("the flow must not start"))
+    (tmp_path / "r.py").write_text("def score(response):\n    return 1.0\n")
+    lake = tmp_path / "lake"
+    assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}", "-o", f"task.reward={tmp_path}/r.py:score"]) == 2
+    assert squash(
+        f"error: task.reward '{tmp_path}/r.py:score': score(response) cannot be called as score(response, answer)"
+    ) in cli_stderr(capsys)
+    assert server == [] and not lake.exists()
+
+
+def test_a_flow_called_with_a_missing_reward_function_writes_nothing(tmp_path):
+    from flows.train import train_flow
+
+    lake = tmp_path / "lake"
+    (tmp_path / "r.py").write_text("def score(response, answer):\n    return 1.0\n")
+    with pytest.raises(
+        InputError, match=f"^task.reward '{tmp_path}/r.py:scores': {tmp_path}/r.py defines no 'scores'$"
+    ):
+        train_flow.fn(config_path=ARITH, overrides=[f"lake.uri={lake}", f"task.reward={tmp_path}/r.py:scores"])
+    assert not lake.exists()
+
+
 # ------------------------------------------------------------------------------------------------ device, engine
 
 

@@ -1,28 +1,270 @@
-"""`task.reward` to its scoring function: partial credit passed through, the response scored against the
-reference, an unknown kind named."""
+"""`task.reward` to its scoring function: the built-ins (partial credit passed through, the response scored against
+the reference), a user's function named by file or module (its signature checked, prompt= given when it takes it,
+what it returns checked), and every way a spec or a function can be wrong named with what to do."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
-from models.rewards import score
+from configs.schema import ConfigError, inert_settings, load_config
+from models.rewards import RewardError, absolute_spec, function_spec, reward_function
+from tasks.preflight import InputError, check_reward
 
 
-def test_score_arithmetic_passes_partial_credit_through():
-    assert score("arithmetic", "19", "19", 0.5) == 1.0
-    assert score("arithmetic", "18", "19", 0.5) == pytest.approx(0.25)  # 0.5 x 1 of 2 positions
-    assert score("arithmetic", "18", "19") == 0.0  # default: exact match only
+def test_arithmetic_passes_partial_credit_through():
+    assert reward_function("arithmetic", 0.5)("19", "19") == 1.0
+    assert reward_function("arithmetic", 0.5)("18", "19") == pytest.approx(0.25)  # 0.5 x 1 of 2 positions
+    assert reward_function("arithmetic")("18", "19") == 0.0  # default: exact match only
 
 
-def test_score_math_verify_reads_the_response_not_the_reference():
+def test_math_verify_reads_the_response_not_the_reference():
+    score = reward_function("math_verify")
     # the response's final answer is after its last ####; a \boxed{} before it is working, not the answer
-    assert score("math_verify", "\\boxed{5} then #### 7", "7") == 1.0
-    assert score("math_verify", "0.5", "1/2") == 1.0
-    assert score("math_verify", "8", "7") == 0.0
+    assert score("\\boxed{5} then #### 7", "7") == 1.0
+    assert score("0.5", "1/2") == 1.0
+    assert score("8", "7", prompt="what is 3 + 4?") == 0.0
 
 
-@pytest.mark.parametrize("kind", ["Arithmetic", "math-verify", "exact", ""])
-def test_score_unknown_kind_is_an_error_naming_it(kind):
-    with pytest.raises(ValueError) as e:
-        score(kind, "19", "19")
-    assert str(e.value) == f"unknown reward kind {kind!r}: expected 'arithmetic' or 'math_verify'"
+@pytest.mark.parametrize("kind", ["Arithmetic", "math-verify", "exact", "", "rewards.py", "mod:", ":fn", "a b:fn"])
+def test_a_kind_that_is_neither_built_in_nor_a_function_is_named_with_the_forms(kind):
+    with pytest.raises(RewardError) as e:
+        reward_function(kind)
+    assert str(e.value).startswith(f"unknown reward kind: {kind!r}")
+    assert "'arithmetic', 'math_verify', FILE.py:FUNCTION or MODULE:FUNCTION" in str(e.value)
+
+
+def test_function_specs_split_at_the_last_colon():
+    assert function_spec("arithmetic") is None
+    assert function_spec("my_pkg.rewards:exact") == ("my_pkg.rewards", "exact")
+    assert function_spec("/data/x:y/r.py:score") == ("/data/x:y/r.py", "score")  # a colon in the folder's name
+    with pytest.raises(ValueError, match="is neither a .py file nor a module name"):
+        function_spec("my-pkg.rewards:exact")
+    with pytest.raises(ValueError, match="neither a built-in reward nor a function"):
+        function_spec("r.py:1st")
+
+
+def _write(tmp_path, body: str, name: str = "my_reward.py"):
+    path = tmp_path / name
+    path.write_text(body)
+    return path
+
+
+def test_a_file_reward_is_called_with_the_prompt_only_when_it_takes_it(tmp_path):
+    path = _write(
+        tmp_path,
+        "def plain(response, answer):\n    return float(response.strip() == answer)\n"
+        "def with_prompt(response, answer, prompt):\n    return len(prompt) + (response == answer)\n"
+        "def with_kwargs(response, answer, **kw):\n    return len(kw['prompt'])\n"
+        "def as_bool(response, answer):\n    return response == answer\n",
+    )
+    assert reward_function(f"{path}:plain")(" 7\n", "7", "Q: 3+4=") == 1.0
+    assert reward_function(f"{path}:with_prompt")("7", "7", "Q: 3+4=") == 8.0  # len("Q: 3+4=") = 7, plus 1
+    assert reward_function(f"{path}:with_kwargs")("7", "7", "abc") == 3.0
+    assert reward_function(f"{path}:as_bool")("7", "7") == 1.0 and reward_function(f"{path}:as_bool")("8", "7") == 0.0
+    assert isinstance(reward_function(f"{path}:as_bool")("7", "7"), float)
+
+
+def test_a_module_reward_is_imported_from_the_path(tmp_path, monkeypatch):
+    _write(tmp_path, "def score(response, answer):\n    return 0.25\n", name="lockstep_test_rewards_mod.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert reward_function("lockstep_test_rewards_mod:score")("x", "y") == 0.25
+    finally:
+        sys.modules.pop("lockstep_test_rewards_mod", None)
+
+
+def test_a_relative_file_is_made_absolute_for_the_frozen_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, "def f(response, answer):\n    return 1.0\n")
+    assert absolute_spec("my_reward.py:f") == f"{tmp_path}/my_reward.py:f"
+    assert absolute_spec("pkg.mod:f") == "pkg.mod:f" and absolute_spec("math_verify") == "math_verify"
+    cfg = load_config(None, ["task.reward=my_reward.py:f"])
+    assert cfg.task.reward == f"{tmp_path}/my_reward.py:f"
+    os.chdir("/")  # elsewhere, the run's config still names the file
+    assert reward_function(cfg.task.reward)("a", "b") == 1.0
+
+
+def test_a_bad_spec_fails_the_config_at_load_with_its_field():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["task.reward=exact_match"])
+    assert "task.reward" in str(e.value)
+    assert "'exact_match' is neither a built-in reward nor a function" in str(e.value)
+
+
+def test_partial_credit_is_named_inert_for_any_reward_but_arithmetic(tmp_path):
+    path = _write(tmp_path, "def f(response, answer):\n    return 1.0\n")
+    cfg = load_config(None, [f"task.reward={path}:f", "task.partial_credit=0.2"])
+    assert f"task.partial_credit is set but has no effect: task.reward is '{path}:f'" in inert_settings(cfg)
+    assert not inert_settings(load_config(None, ["task.reward=arithmetic", "task.partial_credit=0.2"]))
+
+
+@pytest.mark.parametrize(
+    "body, spec_name, expected",
+    [
+        ("def f(response, answer):\n    return 1\n", "g", "defines no 'g'"),
+        ("f = 3\n", "f", "f is a int, not a function"),
+        ("def f(response):\n    return 1\n", "f", "f(response) cannot be called as f(response, answer)"),
+        ("def f(a, b, c):\n    return 1\n", "f", "f(a, b, c) cannot be called as f(response, answer)"),
+        (
+            "def f(response, answer, prompt, extra):\n    return 1\n",
+            "f",
+            "cannot be called as f(response, answer, prompt=...)",
+        ),
+        (
+            "import lockstep_no_such_module\n",
+            "f",
+            "raised ModuleNotFoundError: No module named 'lockstep_no_such_module'",
+        ),
+        ("def f(:\n", "f", "raised SyntaxError"),
+    ],
+)
+def test_a_function_that_cannot_serve_is_refused_before_any_work(tmp_path, body, spec_name, expected):
+    path = _write(tmp_path, body)
+    cfg = load_config(None, [f"task.reward={path}:{spec_name}"])
+    with pytest.raises(InputError) as e:
+        check_reward(cfg)
+    assert str(e.value).startswith(f"task.reward '{path}:{spec_name}': ")
+    assert expected in str(e.value)
+
+
+def test_a_missing_file_or_module_says_where_it_looked_and_what_to_do(tmp_path):
+    with pytest.raises(InputError, match=f"no file {tmp_path}/gone.py$"):
+        check_reward(load_config(None, [f"task.reward={tmp_path}/gone.py:f"]))
+    with pytest.raises(InputError) as e:
+        check_reward(load_config(None, ["task.reward=lockstep_absent_pkg.rewards:f"]))
+    assert "no module 'lockstep_absent_pkg' on this Python's path: install it, add its folder to PYTHONPATH" in str(
+        e.value
+    )
+
+
+def test_a_failed_import_leaves_no_half_module_behind(tmp_path):
+    path = _write(tmp_path, "raise RuntimeError('needs a GPU')\n")
+    for _ in range(2):  # the second try runs the file again instead of finding a half-made module
+        with pytest.raises(RewardError, match="raised RuntimeError: needs a GPU"):
+            reward_function(f"{path}:f")
+
+
+@pytest.mark.parametrize(
+    "returned, expected",
+    [
+        ("'1.0'", "returned '1.0' (str) for the response 'r': a reward is a real number"),
+        ("None", "returned None (NoneType) for the response 'r'"),
+        ("[1.0]", "returned [1.0] (list)"),
+        ("float('nan')", "returned nan for the response 'r': a reward must be finite"),
+        ("-math.inf", "returned -inf for the response 'r': a reward must be finite"),
+    ],
+)
+def test_what_is_not_a_finite_number_is_refused_naming_the_value_and_the_response(tmp_path, returned, expected):
+    path = _write(tmp_path, f"import math\ndef f(response, answer):\n    return {returned}\n")
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{path}:f")("r", "a")
+    assert str(e.value).startswith(f"task.reward '{path}:f' {expected}")
+
+
+def test_a_raising_function_is_named_with_the_response_it_scored(tmp_path):
+    path = _write(tmp_path, "def f(response, answer):\n    return float(response) / float(answer)\n")
+    score = reward_function(f"{path}:f")
+    assert score("6", "3") == 2.0
+    with pytest.raises(RewardError) as e:
+        score("six", "3")
+    assert str(e.value) == (
+        f"task.reward '{path}:f' raised ValueError: could not convert string to float: 'six' (scoring the response "
+        "'six' against the answer '3')"
+    )
+    assert isinstance(e.value.__cause__, ValueError)  # the user's traceback is kept
+
+
+def test_numpy_and_integer_rewards_are_plain_floats(tmp_path):
+    path = _write(
+        tmp_path,
+        "import numpy as np\ndef f(response, answer):\n    return np.float32(0.5)\ndef g(r, a):\n    return 2\n",
+    )
+    assert reward_function(f"{path}:f")("r", "a") == 0.5 and type(reward_function(f"{path}:f")("r", "a")) is float
+    assert reward_function(f"{path}:g")("r", "a") == 2.0 and type(reward_function(f"{path}:g")("r", "a")) is float
+
+
+def test_numpy_bools_and_zero_dim_tensors_are_rewards_and_async_functions_are_refused(tmp_path):
+    path = _write(
+        tmp_path,
+        "import numpy as np, torch\n"
+        "def nb(response, answer):\n    return np.bool_(response == answer)\n"
+        "def t0(response, answer):\n    return torch.tensor(0.75)\n"
+        "def t1(response, answer):\n    return torch.tensor([0.75])\n"
+        "async def later(response, answer):\n    return 1.0\n",
+    )
+    assert reward_function(f"{path}:nb")("7", "7") == 1.0 and reward_function(f"{path}:nb")("8", "7") == 0.0
+    assert reward_function(f"{path}:t0")("r", "a") == 0.75
+    with pytest.raises(RewardError, match=r"returned tensor\(\[0.7500\]\) \(torch.Tensor\) for the response 'r'"):
+        reward_function(f"{path}:t1")("r", "a")  # one element, but not a scalar
+    with pytest.raises(RewardError, match="later is async; a reward function returns its value"):
+        reward_function(f"{path}:later")
+
+
+def test_an_edited_file_is_loaded_again_in_the_same_process(tmp_path):
+    path = _write(tmp_path, "def f(response, answer):\n    return 0.0\n")
+    assert reward_function(f"{path}:f")("r", "a") == 0.0
+    path.write_text("def f(response, answer):\n    return 1.0\ndef g(response, answer):\n    return 2.0\n")
+    assert reward_function(f"{path}:f")("r", "a") == 1.0  # size changed (a notebook's second run)
+    assert reward_function(f"{path}:g")("r", "a") == 2.0
+
+
+def test_errors_stay_one_readable_line(tmp_path):
+    path = _write(
+        tmp_path,
+        "def f(response, answer):\n    raise ValueError('bad\\nthing')\ndef g(response, answer):\n    return None\n",
+    )
+    long = "9" * 5000
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{path}:f")(long, "7")
+    message = str(e.value)
+    assert "\n" not in message and len(message) < 600
+    assert message.startswith(f"task.reward '{path}:f' raised ValueError: bad ... (scoring the response '999")
+    assert f"{'9' * 190}... against the answer '7')" in message  # the response cut to 200 characters of its repr
+    with pytest.raises(RewardError, match=r"returned None \(NoneType\) for the response '9{196}\.\.\.: a reward is"):
+        reward_function(f"{path}:g")(long, "7")
+
+
+def test_a_file_that_imports_its_neighbour_is_told_about_the_path_and_a_url_is_refused(tmp_path):
+    (tmp_path / "helpers_beside_it.py").write_text("X = 1\n")
+    path = _write(tmp_path, "import helpers_beside_it\ndef f(response, answer):\n    return 1.0\n")
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{path}:f")
+    assert str(e.value) == (
+        f"task.reward '{path}:f': importing {path} raised ModuleNotFoundError: No module named 'helpers_beside_it' "
+        f"(a file's folder is not on the import path: add {tmp_path} to PYTHONPATH for the modules beside it)"
+    )
+    with pytest.raises(ConfigError, match="a reward function is read from a local file or an importable module"):
+        load_config(None, ["task.reward=s3://bucket/r.py:f"])
+
+
+def test_a_module_named_like_one_of_locksteps_says_which_file_it_imported():
+    with pytest.raises(RewardError) as e:
+        reward_function("tasks:score")
+    import tasks
+
+    assert str(e.value) == f"task.reward 'tasks:score': tasks ({tasks.__file__}) defines no 'score'"
+
+
+def test_a_resumed_runs_missing_file_says_it_is_frozen_and_math_verify_is_checked_installed(tmp_path, monkeypatch):
+    gone = tmp_path / "gone.py"
+    cfg = load_config(None, [f"task.reward={gone}:f"])
+    with pytest.raises(InputError, match=f"^task.reward '{gone}:f': no file {gone}$"):
+        check_reward(cfg)
+    with pytest.raises(InputError) as e:
+        check_reward(cfg, resumed=True)
+    assert str(e.value) == (
+        f"task.reward '{gone}:f': no file {gone}; this is the run's frozen setting: put the file (or a link to it) "
+        "back at that path"
+    )
+    import importlib.util
+
+    check_reward(load_config(None, ["task.reward=math_verify"]))  # installed here (a dependency)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(
+        InputError, match=r"^task.reward is 'math_verify' but math-verify is not installed: pip install"
+    ):
+        check_reward(load_config(None, ["task.reward=math_verify"]))

@@ -412,5 +412,5 @@ def test_text_the_tokenizer_cannot_encode_is_warned_of_in_prompts_and_in_answers
         f"6 of 12 prompts hold characters the tokenizer encodes as its unknown token ('>', 'I', 'W'): the model "
         f"reads them as <unk>; {hint}",
         f"3 of 12 reference answers hold characters the tokenizer encodes as its unknown token ('X'): no response "
-        f"can match them; {hint}",
+        f"can write them out; {hint}",
     ]

@@ -105,11 +105,38 @@ def test_accuracy_counts_exact_answers_and_leaves_the_model_in_its_mode(tiny_hf,
         return outs
 
     monkeypatch.setattr(session_module, "greedy_answers", greedy)
-    prompts = [SimpleNamespace(answer="12"), SimpleNamespace(answer="8")]
+    prompts = [SimpleNamespace(answer="12", text="7+5="), SimpleNamespace(answer="8", text="4+4=")]
     for training in (True, False):
         model.train(training)
         assert session_module.accuracy(model, tok, [[1], [2]], prompts, 4) == 0.5
         assert model.training is training
+
+
+def test_accuracy_counts_a_reward_of_at_least_one_as_correct_and_gives_the_function_the_prompt(
+    tiny_hf, monkeypatch, tmp_path
+):
+    """A user's reward (`task.reward: FILE.py:FUNCTION`): a greedy answer is correct when its reward is >= 1.0 (1.25
+    counts; 0.999 does not), and the function sees the prompt's text."""
+    tok = tiny_hf.tokenizer
+    outs = [tok(a, add_special_tokens=False)["input_ids"] for a in ("12", "7", "8")]
+    monkeypatch.setattr(session_module, "greedy_answers", lambda m, ids, **kw: outs)
+    (tmp_path / "r.py").write_text(
+        "SEEN = []\n"
+        "def score(response, answer, prompt):\n"
+        "    SEEN.append(prompt)\n"
+        "    return {'12': 1.25, '7': 0.999, '8': 1.0}[response]\n"
+    )
+    prompts = [SimpleNamespace(answer="a", text=t) for t in ("p0", "p1", "p2")]
+    acc = session_module.accuracy(tiny_hf.model, tok, [[1], [2], [3]], prompts, 4, f"{tmp_path}/r.py:score")
+    assert acc == 2 / 3  # 1.25 and 1.0 are correct, 0.999 is not
+    import sys
+
+    (module,) = [
+        m
+        for name, m in sys.modules.items()
+        if name.startswith("lockstep_reward_") and m.__file__ == str(tmp_path / "r.py")
+    ]
+    assert module.SEEN == ["p0", "p1", "p2"]
 
 
 def test_accuracy_ends_answers_at_a_newline_only_when_asked(tiny_hf, monkeypatch):
@@ -120,7 +147,7 @@ def test_accuracy_ends_answers_at_a_newline_only_when_asked(tiny_hf, monkeypatch
         return [tok("12", add_special_tokens=False)["input_ids"]]
 
     monkeypatch.setattr(session_module, "greedy_answers", greedy)
-    prompts = [SimpleNamespace(answer="12")]
+    prompts = [SimpleNamespace(answer="12", text="7+5=")]
     assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4) == 1.0
     tiny_hf.model.generation_config.eos_token_id = [tok.eos_token_id, 9]  # an end of the model's beside EOS
     assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4, "arithmetic", stop_at_newline=False) == 1.0

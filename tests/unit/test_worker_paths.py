@@ -24,7 +24,7 @@ import torch
 
 import tasks.workers
 from models.engine import Sample, sample_seed
-from models.rewards import score
+from models.rewards import reward_function
 from storage import checkpoints
 from storage.lake import Lake
 from storage.shards import ROLLOUT_SCHEMA, read_shard, table_to_records
@@ -96,10 +96,46 @@ def test_a_shard_records_the_samples_under_the_version_held(worker, monkeypatch)
         correct = r.sample_index % 2 == 0
         assert r.policy_version == 2 and r.worker == 3 and r.iteration == 4
         assert r.response_text == (answer if correct else "x") + "\n"
-        assert r.reward == score("arithmetic", r.response_text, answer, 0.0) == (1.0 if correct else 0.0)
+        assert r.reward == reward_function("arithmetic")(r.response_text, answer) == (1.0 if correct else 0.0)
         assert r.finish_reason == ("stop" if correct else "length")
         assert r.behavior_logprobs == [-0.5, -1.0] and r.token_versions == [1, 2]
         assert r.prompt_ids == pids and r.prompt_text == text
+
+
+def test_a_users_reward_function_scores_each_sample_with_its_prompt(worker, monkeypatch, tmp_path):  # noqa: F811
+    """`task.reward: FILE.py:FUNCTION`: the worker imports the function as it starts, and each shard row's reward is
+    what it returned for that row's response, answer and prompt; a function that raises fails the chunk naming
+    itself and the response, and no shard is published."""
+    from models.rewards import RewardError
+
+    path = tmp_path / "user_reward.py"
+    path.write_text(
+        "def score(response, answer, prompt):\n"
+        "    return 0.5 * (response.strip() == answer) + len(prompt) / 100\n"
+        "def picky(response, answer):\n"
+        "    return {answer + '\\n': 1.0}[response]\n"
+    )
+    user = _Worker(3, replace(worker.spec, reward_kind=f"{path}:score"), queue.Queue(), os.getppid())
+    answers = _fake_engine(monkeypatch, user.tokenizer, [])
+    for _, _, answer, ids in user.spec.prompts:
+        answers[tuple(ids)] = answer
+    user.version = 0
+    info = user.generate_chunk(Chunk(iteration=0, version=0, index=0, prompt_ids=(4, 1)))
+    rows = table_to_records(read_shard(user.lake, info["path"], info["checksum"]))
+    assert len(rows) == 8
+    for r in rows:  # even samples answer correctly (fake engine); prompt "4+1=" has 4 characters: +0.04
+        expected = 0.5 * (r.sample_index % 2 == 0) + len(r.prompt_text) / 100
+        assert r.reward == pytest.approx(expected, abs=1e-12) and r.prompt_text == f"{r.prompt_id}+1="
+    assert sorted({round(r.reward, 9) for r in rows}) == [0.04, 0.54]
+
+    picky = _Worker(3, replace(worker.spec, reward_kind=f"{path}:picky"), queue.Queue(), os.getppid())
+    picky.version = 0
+    with pytest.raises(RewardError) as e:
+        picky.generate_chunk(Chunk(iteration=1, version=0, index=0, prompt_ids=(2,)))
+    assert str(e.value) == (
+        f"task.reward '{path}:picky' raised KeyError: 'x\\n' (scoring the response 'x\\n' against the answer '3')"
+    )
+    assert not picky.lake.fs.glob(f"{picky.lake.run_dir('w')}/rollouts/*/iter-000001/*")
 
 
 def test_an_interrupted_chunk_records_each_tokens_version(worker):  # noqa: F811

@@ -132,6 +132,26 @@ def test_shared_weights_carry_a_version_between_mappings(tmp_path, tiny_hf):
     assert shared.path.startswith(str(tmp_path)) and not os.path.exists(shared.path)
 
 
+def test_a_spawned_worker_imports_a_reward_file_itself(tmp_path, tiny_hf):
+    """`task.reward: FILE.py:FUNCTION`: a spawned worker (a process that starts bare) loads the file as it starts,
+    before it says it is ready; the file's module-level code runs in the worker's process."""
+    from dataclasses import replace
+
+    (tmp_path / "r.py").write_text(
+        "import os\n"
+        f"open({str(tmp_path / 'loaded')!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "def score(response, answer):\n    return 1.0\n"
+    )
+    spec = replace(_spec(tmp_path, str(_v0_checkpoint(tmp_path, tiny_hf))), reward_kind=f"{tmp_path}/r.py:score")
+    pool = WorkerPool(1, spec, start_timeout_s=120)
+    try:
+        assert pool.ready == [True]
+        assert (tmp_path / "loaded").read_text().split() == [str(pool.procs[0].pid)]
+        assert pool.procs[0].pid != os.getpid()
+    finally:
+        pool.close()
+
+
 _ORPHAN_PARENT = """
 import sys, threading, time
 from transformers import AutoTokenizer

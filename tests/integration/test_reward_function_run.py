@@ -1,0 +1,75 @@
+"""A run whose reward is the user's own function (`task.reward: MODULE:FUNCTION`), through the real flow: the spawned
+rollout workers import the module themselves (from the path the run was started with), every stored reward is
+what the function returned for that sample, and held-out accuracy counts the answers it gives full reward."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import uuid
+
+from flows.train import train_flow
+from storage.lake import Lake
+from tests.integration.runs import all_samples, mlflow_run, write_config
+
+REWARD_MODULE = """
+import json, os
+
+def score(response, answer, prompt):
+    # full credit (1.0) for an answer of the right length, 0.25 more for a prompt of odd length; each call is logged
+    got = response.strip()
+    value = float(len(got) == len(answer)) + 0.25 * (len(prompt) % 2)
+    with open(os.path.join(os.environ["LOCKSTEP_TEST_REWARD_LOG"], f"{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps({"prompt": prompt, "response": response, "answer": answer, "value": value}) + "\\n")
+    return value
+"""
+
+
+def test_a_run_scored_by_a_users_module(tmp_path, monkeypatch):
+    module = f"lockstep_user_reward_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / f"{module}.py").write_text(REWARD_MODULE)
+    log = tmp_path / "calls"
+    log.mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    monkeypatch.setenv("LOCKSTEP_TEST_REWARD_LOG", str(log))
+    rid = f"reward-fn-{uuid.uuid4().hex[:8]}"
+    cfg = write_config(tmp_path, rid, {"run.iterations": 2, "task.reward": f"{module}:score"})
+    try:
+        summary = train_flow(config_path=cfg)
+    finally:
+        sys.modules.pop(module, None)
+
+    frozen = json.loads(Lake(str(tmp_path / "lake")).fs.cat_file(f"{tmp_path}/lake/runs/{rid}/config.json"))
+    assert frozen["task"]["reward"] == f"{module}:score"
+    calls: dict[int, list[dict]] = {}
+    for path in log.iterdir():
+        calls[int(path.stem)] = [json.loads(line) for line in path.read_text().splitlines()]
+    workers = {pid for pid in calls if pid != os.getpid()}
+    assert workers, "no rollout worker called the function"
+    by_sample = {(c["prompt"], c["response"]): c for pid in workers for c in calls[pid]}
+
+    samples = all_samples(str(tmp_path / "lake"), rid)
+    assert len(samples) == 2 * 8 * 4
+    for r in samples.values():
+        call = by_sample[(r.prompt_text, r.response_text)]
+        assert r.reward == call["value"]
+        got = r.response_text.strip()
+        assert r.reward == float(len(got) == len(call["answer"])) + 0.25 * (len(r.prompt_text) % 2)
+    assert len({r.reward for r in samples.values()}) > 1  # rewards differ, so the groups have advantages
+    client, run = mlflow_run(tmp_path, rid)
+    for k in range(2):
+        (logged,) = [m.value for m in client.get_metric_history(run.info.run_id, "reward/mean") if m.step == k]
+        mean = statistics.fmean(r.reward for key, r in samples.items() if key[0] == k)
+        assert abs(logged - mean) < 1e-9
+
+    # held-out accuracy: this process scored the greedy answers; correct = reward >= 1.0, here an answer of the right
+    # length (the tiny model's exact-match accuracy is 0)
+    held_out = calls[os.getpid()]
+    assert len(held_out) == 3 * 20  # v0, v1 (eval.every 1) and the final v2, 20 held-out prompts each
+    final = held_out[-20:]  # n_eval 20: the last evaluation (of the final version)
+    assert summary["eval_accuracy_final"] == sum(c["value"] >= 1.0 for c in final) / 20
+    assert summary["eval_accuracy_final"] == sum(len(c["response"].strip()) == len(c["answer"]) for c in final) / 20
+    assert {1.0, 1.25} <= {c["value"] for c in final}  # both count as correct
