@@ -63,6 +63,7 @@ def evaluate_versions(
     "threads"} once the prompts are ready and {"event": "version", ...the row} after each."""
     import torch
 
+    from models.rewards import reward_function
     from models.tiny import load_hf
     from tasks.preflight import attention_kernel, resolve_device
     from tasks.session import accuracy, task_prompts
@@ -77,6 +78,7 @@ def evaluate_versions(
         model.set_attn_implementation(kernel)  # as the run's trainer, whose model the run evaluated
         model.to(device)
         _, _, prompts, token_ids = task_prompts(cfg, tokenizer)
+        scorer = reward_function(cfg.task.reward)  # loaded once for every version
         on_progress(
             {
                 "event": "start",
@@ -96,7 +98,7 @@ def evaluate_versions(
                 token_ids,
                 prompts,
                 cfg.eval.max_new_tokens,
-                cfg.task.reward,
+                scorer,
                 cfg.task.newline_stop(),
             )
             row = {

@@ -84,6 +84,11 @@ def _user_scorer(kind: str, source: str, name: str) -> Scorer:
         raise RewardError(f"task.reward {kind!r}: {where} defines no {name!r}")
     if not callable(fn):
         raise RewardError(f"task.reward {kind!r}: {name} is a {type(fn).__name__}, not a function")
+    if inspect.isclass(fn):
+        raise RewardError(
+            f"task.reward {kind!r}: {name} is a class; name a function (or an instance's method) that returns the "
+            "reward"
+        )
     if inspect.iscoroutinefunction(fn):
         raise RewardError(
             f"task.reward {kind!r}: {name} is async; a reward function returns its value (run a coroutine inside it "
@@ -115,16 +120,20 @@ def _user_scorer(kind: str, source: str, name: str) -> Scorer:
                 f"task.reward {kind!r} raised {_first_line(e)} (scoring the response {_shown(response)} against the "
                 f"answer {_shown(answer)})"
             ) from e
-        if not isinstance(value, numbers.Real) and getattr(value, "shape", None) == () and hasattr(value, "item"):
-            value = value.item()  # a NumPy scalar (np.bool_ too) or a 0-d tensor
-        if not isinstance(value, numbers.Real):
-            kind_of = type(value).__qualname__
-            kind_of = kind_of if type(value).__module__ == "builtins" else f"{type(value).__module__}.{kind_of}"
+        returned = value
+        try:
+            if not isinstance(value, numbers.Real) and getattr(value, "shape", None) == () and hasattr(value, "item"):
+                value = value.item()  # a NumPy scalar (np.bool_ too) or a 0-d tensor
+            value = float(value) if isinstance(value, numbers.Real) else None
+        except Exception:  # an .item() that raises, an int too large for a float (10**400)
+            value = None
+        if value is None:
+            kind_of = type(returned).__qualname__
+            kind_of = kind_of if type(returned).__module__ == "builtins" else f"{type(returned).__module__}.{kind_of}"
             raise RewardError(
-                f"task.reward {kind!r} returned {_shown(value)} ({kind_of}) for the response {_shown(response)}: a "
-                "reward is a real number (a float; 1.0 counts as correct in held-out accuracy)"
+                f"task.reward {kind!r} returned {_shown(returned)} ({kind_of}) for the response {_shown(response)}: "
+                "a reward is a real number that fits a float (1.0 counts as correct in held-out accuracy)"
             )
-        value = float(value)
         if not math.isfinite(value):
             raise RewardError(
                 f"task.reward {kind!r} returned {value} for the response {_shown(response)}: a reward must be finite"
@@ -146,7 +155,9 @@ def _shown(value: object) -> str:
 def _first_line(e: BaseException) -> str:
     """An exception as one line: its type and its message's first line (cut)."""
     lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {_cut(lines[0]) if lines else ''}{' ...' if len(lines) > 1 else ''}"
+    if not lines:
+        return type(e).__name__
+    return f"{type(e).__name__}: {_cut(lines[0])}{' ...' if len(lines) > 1 else ''}"
 
 
 def _module(kind: str, source: str):
@@ -170,10 +181,12 @@ def _module(kind: str, source: str):
             sys.modules.pop(module_name, None)
             if not isinstance(e, Exception):  # a Ctrl-C, or the file calling exit()
                 raise
+            top = (getattr(e, "name", None) or "").split(".")[0]
+            beside = top and ((path.parent / f"{top}.py").is_file() or (path.parent / top).is_dir())
             hint = (
-                f" (a file's folder is not on the import path: add {path.parent} to PYTHONPATH for the modules beside "
-                "it)"
-                if isinstance(e, ModuleNotFoundError)
+                f" ({top} is beside the file, but a file's folder is not on the import path: add {path.parent} to "
+                "PYTHONPATH)"
+                if isinstance(e, ModuleNotFoundError) and beside
                 else ""
             )
             raise RewardError(f"task.reward {kind!r}: importing {path} raised {_first_line(e)}{hint}") from e

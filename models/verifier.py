@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 
+INSTALL = "pip install 'math-verify>=0.7'"
+
 
 def _require():
     if importlib.util.find_spec("math_verify") is None:
-        raise ImportError("the math verifier needs math-verify: pip install 'math-verify>=0.7'")
+        raise ImportError(f"the math verifier needs math-verify: {INSTALL}")
     import math_verify
 
     return math_verify

@@ -113,19 +113,19 @@ def resolve_device(kind: str):
     return torch.device(kind)
 
 
-def check_reward(cfg: Config, resumed: bool = False) -> None:
+def check_reward(cfg: Config, resumed: bool = False):
     """`task.reward` loads: math-verify is installed for `math_verify`; a user's function is imported here and its
-    signature checked (each rollout worker imports it again in its own process). `resumed`: the setting is a run's
-    frozen one, whose file may have moved since."""
+    signature checked (each rollout worker imports it again in its own process). Returns the scorer
+    (`models.rewards.reward_function`). `resumed`: the setting is a run's frozen one, whose file may have moved."""
     import importlib.util
 
     from models.rewards import RewardError, function_spec, reward_function
 
     kind = cfg.task.reward
     if kind == "math_verify" and importlib.util.find_spec("math_verify") is None:
-        raise InputError(
-            "task.reward is 'math_verify' but math-verify is not installed: pip install 'math-verify>=0.7'"
-        )
+        from models.verifier import INSTALL
+
+        raise InputError(f"task.reward is 'math_verify' but math-verify is not installed: {INSTALL}")
     spec = function_spec(kind)
     if resumed and spec is not None and spec[0].endswith(".py") and not Path(spec[0]).is_file():
         raise InputError(
@@ -133,7 +133,7 @@ def check_reward(cfg: Config, resumed: bool = False) -> None:
             "it) back at that path"
         )
     try:
-        reward_function(kind, cfg.task.partial_credit)
+        return reward_function(kind, cfg.task.partial_credit)
     except RewardError as e:
         raise InputError(str(e)) from None
 

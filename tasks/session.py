@@ -27,7 +27,7 @@ import torch
 from configs.schema import Config, flatten, resolved_json
 from models import arithmetic
 from models.bootstrap import greedy_answers, sft
-from models.rewards import reward_function
+from models.rewards import Scorer, reward_function
 from models.tiny import (
     DEFAULT_ALPHABET,
     build_char_tokenizer,
@@ -85,6 +85,7 @@ class RunSession:
     local_copies: str | None = None  # this session's local copy of an object-store lake's v0, removed at close
     rollouts: list[PrefectFuture] = field(default_factory=list)  # sync/periodic: the iteration's rollout tasks
     catalog_last: int | None = None  # the catalog's last iteration at this session's first write (None: not read)
+    scorer: Scorer | None = None  # `task.reward` as loaded at the session's start (a user's file is not re-read)
     _unstarted_save: tuple | None = field(default=None, repr=False)  # (version, fn): a write not started yet
     _saver: ThreadPoolExecutor | None = field(default=None, repr=False)
 
@@ -240,10 +241,10 @@ def unwritable_text(
     unknown token (the built-in character tokenizer knows a few letters: a dataset's capitals were <unk>), in the
     prompts or in the reference answers (which no response can then write out), and answers longer in tokens than a
     response may be (`ops: ["*"]` with max_operand 1000 has 7-digit answers, max_new_tokens 6). Either way a
-    reward of 1.0 is out of reach for those prompts under the built-in rewards (a user's function may accept another
-    form: the notes then say what cannot be written, not what it scores), and nothing said so. An answer's tokens are counted after its
-    prompt (prompt + answer less the prompt's ids, `*_ids`): alone, a SentencePiece tokenizer gives it a word-start
-    token more."""
+    reward of 1.0 is out of reach for those prompts under the built-in rewards, and nothing said so (a user's
+    function may take another form: the notes say what cannot be written, not how it scores). An answer's tokens
+    are counted after its prompt (prompt + answer less the prompt's ids, `*_ids`): alone, a SentencePiece tokenizer
+    gives it a word-start token more."""
     notes = []
     everything = [*train_prompts, *eval_prompts]
     unk = tokenizer.unk_token_id
@@ -407,6 +408,7 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
     stop_when = None
     if b.target_accuracy is not None:  # checked on training prompts: the held-out split stays unseen
         check = list(range(min(b.check_prompts, len(train_prompts))))
+        scorer = reward_function(cfg.task.reward)  # loaded once: an edit of a user's file mid-bootstrap is not seen
 
         def stop_when(step: int) -> bool:
             acc = accuracy(
@@ -415,7 +417,7 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
                 [train_ids[i] for i in check],
                 [train_prompts[i] for i in check],
                 cfg.eval.max_new_tokens,
-                cfg.task.reward,
+                scorer,
                 cfg.task.newline_stop(),
             )
             return acc >= b.target_accuracy
@@ -465,11 +467,12 @@ def accuracy(
     token_ids: list[list[int]],
     prompts: list[arithmetic.Prompt],
     max_new_tokens: int,
-    reward_kind: str = "arithmetic",
+    reward: str | Scorer = "arithmetic",
     stop_at_newline: bool = True,
 ) -> float:
-    """Fraction of greedy answers the task's reward scores as correct, a reward of at least 1.0 (exact match for
-    arithmetic); an answer ends at EOS, and at a newline token with `stop_at_newline`."""
+    """Fraction of greedy answers the task's reward (a `task.reward` kind, or its scorer loaded once by the caller)
+    scores as correct, a reward of at least 1.0 (exact match for arithmetic); an answer ends at EOS, and at a newline
+    token with `stop_at_newline`."""
     was_training = model.training
     outs = greedy_answers(
         model,
@@ -481,8 +484,8 @@ def accuracy(
         other_eos_ids=other_eos_ids(getattr(model, "generation_config", None), tok),
     )
     model.train(was_training)
-    reward = reward_function(reward_kind)  # full credit: partial credit is not correct
-    hits = sum(reward(tok.decode(o, skip_special_tokens=True), p.answer, p.text) >= 1.0 for o, p in zip(outs, prompts))
+    score = reward_function(reward) if isinstance(reward, str) else reward
+    hits = sum(score(tok.decode(o, skip_special_tokens=True), p.answer, p.text) >= 1.0 for o, p in zip(outs, prompts))
     return hits / len(prompts)
 
 
@@ -494,7 +497,7 @@ def evaluate(session: RunSession) -> float:
         session.eval_token_ids,
         session.eval_prompts,
         session.cfg.eval.max_new_tokens,
-        session.cfg.task.reward,
+        session.scorer or session.cfg.task.reward,
         session.cfg.task.newline_stop(),
     )
 
@@ -558,7 +561,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
     auto_id = cfg.run.run_id is None and not resume
     base_id = validate_run_id(default_run_id(cfg))
     device = check_backend(cfg)  # before any work: the device exists, the optional extras are installed
-    check_reward(cfg, resumed=resume)  # a user's reward function imports and takes (response, answer)
+    scorer = check_reward(cfg, resumed=resume)  # a user's reward function imports and takes (response, answer)
     cfg = cfg.model_copy(deep=True)
     lake = Lake(cfg.lake.uri)
     torch.set_num_threads(cfg.resources.train_threads)
@@ -601,6 +604,7 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
         held.release()
         raise
     session.lease = held
+    session.scorer = scorer
     register(session)
     return session
 

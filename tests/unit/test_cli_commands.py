@@ -513,6 +513,10 @@ def test_serve_with_a_bad_config_exits_2(monkeypatch, capsys, api_url):
     assert squash("trainer.lr: Input should be greater than 0 (got -1)") in cli_stderr(capsys)
     assert cli.main(["serve", ARITH, "-o", "model.path=/nonexistent/model"]) == 2
     assert squash("error: model.path '/nonexistent/model' is not a directory") in cli_stderr(capsys)
+    assert cli.main(["serve", ARITH, "-o", "task.reward=lockstep_absent_pkg.rewards:f"]) == 2  # every run would fail
+    assert squash("error: task.reward 'lockstep_absent_pkg.rewards:f': no module 'lockstep_absent_pkg'") in (
+        cli_stderr(capsys)
+    )
 
 
 def test_serve_without_a_prefect_server_exits_2_before_publishing(monkeypatch, capsys):

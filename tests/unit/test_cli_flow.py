@@ -609,20 +609,21 @@ def test_a_failed_train_ends_with_what_failed_and_how_to_resume_it(monkeypatch, 
         ]:
             train_mod.progress_hook(event)
         if printed:  # as Prefect's flow engine logs a failure: "Encountered exception during execution"
-            logging.getLogger("prefect.flow_runs").error("Encountered exception", exc_info=error)
+            logging.getLogger("prefect.flow_runs").error("Encountered exception", exc_info=printed[0])
         raise error
 
     replace_flow(monkeypatch, flow)
     lake = tmp_path / "lake"
-    for written, logged in ((False, True), (True, False)):
-        if written:
+    # not written yet; written, but nothing logged; written, another exception logged (a task's), this one not
+    for written, logged in ((False, error), (True, None), (True, RuntimeError("a task's"))):
+        if written and not (lake / "runs" / "arith-123").exists():
             (lake / "runs" / "arith-123").mkdir(parents=True)
             (lake / "runs" / "arith-123" / "config.json").write_text("{}")
-        printed[:] = [True] if logged else []
+        printed[:] = [logged] if logged is not None else []
         with pytest.raises(type(error)):
             cli.main(["train", ARITH, "-o", f"lake.uri={lake}"])
         capsys.readouterr()
-    printed[:] = [True]
+    printed[:] = [error]
     assert cli.main(["train", ARITH, "-o", f"lake.uri={lake}"]) == 1
     err = capsys.readouterr().err
     assert "Encountered exception" in err  # the log's record, with the traceback

@@ -294,16 +294,22 @@ def test_the_best_of_equal_accuracies_is_the_earliest_version(run_lake, capsys, 
     assert "best: v1 accuracy 0.250 of 2 versions" in err
 
 
-def test_eval_of_a_run_whose_reward_file_is_gone_is_refused_before_any_answer(run_lake, capsys, fingerprints, tmp_path):
-    """Held-out answers are scored by the run's reward: a user's file moved since the run is named before any
-    version is evaluated, with what to do."""
+@pytest.mark.parametrize("command", ["eval", "resume"])
+def test_a_run_whose_reward_file_moved_is_refused_before_any_work(
+    run_lake, capsys, fingerprints, tmp_path, monkeypatch, command
+):
+    """`eval` scores held-out answers and `resume` trains with the run's reward: a user's file moved since the run is
+    named as the run's frozen setting, with what to do, before any version is evaluated or the flow starts."""
+    from tests.unit.test_cli_commands import replace_flow
+
+    server = replace_flow(monkeypatch, lambda **kwargs: pytest.fail("the flow must not start"))
     gone = tmp_path / "moved_reward.py"
     (run_lake / "runs/r1/config.json").write_text(
         resolved_json(load_config(None, [*CONFIG, f"task.reward={gone}:score"]))
     )
-    assert cli.main(["eval", "r1", "--lake", str(run_lake)]) == 2
+    assert cli.main([command, "r1", "--lake", str(run_lake)]) == 2
     assert squash(
         f"error: task.reward '{gone}:score': no file {gone}; this is the run's frozen setting: put the file (or a "
         "link to it) back at that path"
     ) in cli_stderr(capsys)
-    assert fingerprints == []
+    assert fingerprints == [] and server == []

@@ -234,8 +234,13 @@ def test_a_file_that_imports_its_neighbour_is_told_about_the_path_and_a_url_is_r
         reward_function(f"{path}:f")
     assert str(e.value) == (
         f"task.reward '{path}:f': importing {path} raised ModuleNotFoundError: No module named 'helpers_beside_it' "
-        f"(a file's folder is not on the import path: add {tmp_path} to PYTHONPATH for the modules beside it)"
+        f"(helpers_beside_it is beside the file, but a file's folder is not on the import path: add {tmp_path} to "
+        "PYTHONPATH)"
     )
+    other = _write(tmp_path, "import lockstep_not_installed_pkg\n", name="other.py")  # nothing of that name beside
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{other}:f")
+    assert str(e.value).endswith("raised ModuleNotFoundError: No module named 'lockstep_not_installed_pkg'")
     with pytest.raises(ConfigError, match="a reward function is read from a local file or an importable module"):
         load_config(None, ["task.reward=s3://bucket/r.py:f"])
 
@@ -268,3 +273,26 @@ def test_a_resumed_runs_missing_file_says_it_is_frozen_and_math_verify_is_checke
         InputError, match=r"^task.reward is 'math_verify' but math-verify is not installed: pip install"
     ):
         check_reward(load_config(None, ["task.reward=math_verify"]))
+
+
+def test_a_class_an_empty_message_and_a_value_too_large_for_a_float_are_named(tmp_path):
+    path = _write(
+        tmp_path,
+        "class Scorer:\n    def __init__(self, response, answer):\n        pass\n"
+        "def quiet(response, answer):\n    raise ValueError()\n"
+        "def huge(response, answer):\n    return 10 ** 400\n",
+    )
+    with pytest.raises(RewardError, match="Scorer is a class; name a function"):
+        reward_function(f"{path}:Scorer")
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{path}:quiet")("r", "a")
+    assert (
+        str(e.value)
+        == f"task.reward '{path}:quiet' raised ValueError (scoring the response 'r' against the answer 'a')"
+    )
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{path}:huge")("r", "a")
+    assert str(e.value).startswith(f"task.reward '{path}:huge' returned 1000000000") and str(e.value).endswith(
+        "(int) for the response 'r': a reward is a real number that fits a float (1.0 counts as correct in held-out "
+        "accuracy)"
+    )

@@ -90,9 +90,13 @@ def test_evaluate_scores_the_held_out_prompts_at_the_eval_token_budget(monkeypat
         train_token_ids=[[1]],
         eval_prompts=["held-out"],
         eval_token_ids=[[2]],
+        scorer=None,
     )
     assert session_module.evaluate(s) == 0.75
     assert calls == [("model", "tok", [[2]], ["held-out"], 7, "math_verify", False)]
+    s.scorer = loaded = lambda response, answer, prompt="": 1.0  # the session's, loaded once at its start
+    assert session_module.evaluate(s) == 0.75
+    assert calls[-1] == ("model", "tok", [[2]], ["held-out"], 7, loaded, False)
 
 
 def test_accuracy_counts_exact_answers_and_leaves_the_model_in_its_mode(tiny_hf, monkeypatch):
