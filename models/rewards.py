@@ -76,6 +76,16 @@ def reward_function(kind: str, partial_credit: float = 0.0) -> Scorer:
     return _user_scorer(kind, *spec)
 
 
+def source_digest(kind: str) -> str | None:
+    """The sha256 of the file a user's reward function is read from (a FILE, or the module's own file), for the
+    run's record of which code scored it; None for a built-in kind or a module without a file."""
+    spec = function_spec(kind)
+    if spec is None:
+        return None
+    path = getattr(_module(kind, spec[0]), "__file__", None)
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+
+
 def _user_scorer(kind: str, source: str, name: str) -> Scorer:
     module = _module(kind, source)
     fn = getattr(module, name, None)
@@ -161,8 +171,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _module(kind: str, source: str):
-    """The module `source` names: a .py file, loaded under a name of its own (its absolute path's digest), or an
-    importable module."""
+    """The module `source` names: a .py file, loaded under a name of its own (a digest of its absolute path, mtime
+    and size), or an importable module."""
     if source.endswith(".py"):
         path = Path(source).expanduser().absolute()
         if not path.is_file():

@@ -27,7 +27,7 @@ import torch
 from configs.schema import Config, flatten, resolved_json
 from models import arithmetic
 from models.bootstrap import greedy_answers, sft
-from models.rewards import Scorer, reward_function
+from models.rewards import Scorer, reward_function, source_digest
 from models.tiny import (
     DEFAULT_ALPHABET,
     build_char_tokenizer,
@@ -699,7 +699,10 @@ def _open_with_trainer(
                 run_key=run_key,
             )
             undo.callback(tracker.finish, "FAILED")
-            tracker.log_params(flatten(cfg))
+            # which code scored the run: a resume whose reward file changed keeps the first start's digest as the
+            # param and the new one as the tag lockstep.resumed.task.reward_sha256 (`log_params`)
+            digest = source_digest(cfg.task.reward)
+            tracker.log_params({**flatten(cfg), **({"task.reward_sha256": digest} if digest else {})})
         else:
             tracker = Tracker.disabled()
         session = RunSession(

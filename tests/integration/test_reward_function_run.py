@@ -4,6 +4,7 @@ what the function returned for that sample, and held-out accuracy counts the ans
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -60,6 +61,8 @@ def test_a_run_scored_by_a_users_module(tmp_path, monkeypatch):
         assert r.reward == float(len(got) == len(call["answer"])) + 0.25 * (len(r.prompt_text) % 2)
     assert len({r.reward for r in samples.values()}) > 1  # rewards differ, so the groups have advantages
     client, run = mlflow_run(tmp_path, rid)
+    source = (tmp_path / "code" / f"{module}.py").read_bytes()
+    assert run.data.params["task.reward_sha256"] == hashlib.sha256(source).hexdigest()  # which code scored it
     for k in range(2):
         (logged,) = [m.value for m in client.get_metric_history(run.info.run_id, "reward/mean") if m.step == k]
         mean = statistics.fmean(r.reward for key, r in samples.items() if key[0] == k)

@@ -296,3 +296,19 @@ def test_a_class_an_empty_message_and_a_value_too_large_for_a_float_are_named(tm
         "(int) for the response 'r': a reward is a real number that fits a float (1.0 counts as correct in held-out "
         "accuracy)"
     )
+
+
+def test_the_source_digest_is_of_the_file_the_function_comes_from(tmp_path, monkeypatch):
+    import hashlib
+
+    from models.rewards import source_digest
+
+    path = _write(tmp_path, "def f(response, answer):\n    return 1.0\n")
+    assert source_digest(f"{path}:f") == hashlib.sha256(path.read_bytes()).hexdigest()
+    path.write_text("def f(response, answer):\n    return 0.5\n")  # edited: another digest
+    assert source_digest(f"{path}:f") == hashlib.sha256(b"def f(response, answer):\n    return 0.5\n").hexdigest()
+    import models.arithmetic
+
+    expected = hashlib.sha256(open(models.arithmetic.__file__, "rb").read()).hexdigest()
+    assert source_digest("models.arithmetic:reward") == expected  # a module: its own file
+    assert source_digest("arithmetic") is None and source_digest("math_verify") is None
