@@ -144,10 +144,6 @@ class OptimizerShard:
                 if c.data_ptr() != source.data_ptr():
                     c.copy_(source)
 
-    def local_state_numel(self) -> int:
-        """Elements of AdamW state this rank holds."""
-        return state_numel(self.optimizer)
-
     def reduce(self, scale: float, max_norm: float, forced: list[int] | None, wait: Callable = _wait) -> float:
         """Sum every rank's accumulated gradient and keep this rank's slice, times `scale`, clipped to `max_norm`
         (global norm); drops the model's `.grad`. `forced`: parameters given a zero gradient when no rank has any

@@ -400,7 +400,7 @@ class DataParallelTrainer(PolicyTrainer):
     def _print(self) -> list[tuple[int, int]]:
         """Where the policy's and proximal model's weights live and how often they were changed in place: differs
         once anything (a restore, a bootstrap: `load_state_dict`, `copy_`) has written them since the last sync or
-        sharded step. Writes that bypass autograd's version counter (`p.data.copy_`, numpy views) are not seen."""
+        sharded step; looked at as a batch starts. Writes that bypass autograd's version counter (`p.data.copy_`, numpy views) are not seen."""
         if self.shard is not None and any(
             a is not b for a, b in zip(self.shard.params, self.model.parameters(), strict=True)
         ):
@@ -417,7 +417,10 @@ class DataParallelTrainer(PolicyTrainer):
         if not groups:
             raise ValueError("micro_step needs at least one group")
         self._check_usable()
-        if self._synced_print is None or (self.shard is not None and self._synced_print != self._print()):
+        # a write of rank 0's weights (a restore) is looked for once a batch, where the replicated trainer sends them
+        if self._synced_print is None or (
+            self._batch_start and self.shard is not None and self._synced_print != self._print()
+        ):
             self._sync()
         if self._batch_start:
             self._batch_start = False

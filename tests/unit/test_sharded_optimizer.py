@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tasks.train_ranks
+from models.data_parallel import state_numel
 from models.tiny import build_tiny_model
 from models.trainer import LossSettings, PolicyTrainer
 from storage import checkpoints
@@ -71,7 +72,7 @@ def _run_two_ranks(model, batches, **kw):
     try:
         with _deadline(120):
             figures = [f[0] for f in _train([t], batches)]
-            held = t.shard.local_state_numel() if t.shard is not None else None
+            held = state_numel(t.shard.optimizer) if t.shard is not None else None
             return t.model, figures, _state(t.optimizer), held, type(t.optimizer)
     finally:
         t.close()

@@ -125,7 +125,7 @@ def test_a_users_reward_function_scores_each_sample_with_its_prompt(worker, monk
     assert len(rows) == 8
     for r in rows:  # even samples answer correctly (fake engine); prompt "4+1=" has 4 characters: +0.04
         expected = 0.5 * (r.sample_index % 2 == 0) + len(r.prompt_text) / 100
-        assert r.reward == pytest.approx(expected, abs=1e-12) and r.prompt_text == f"{r.prompt_id}+1="
+        assert r.reward == expected and r.prompt_text == f"{r.prompt_id}+1="  # the same float expression: exact
     assert sorted({round(r.reward, 9) for r in rows}) == [0.04, 0.54]
 
     picky = _Worker(3, replace(worker.spec, reward_kind=f"{path}:picky"), queue.Queue(), os.getppid())
