@@ -127,7 +127,7 @@ def _user_scorer(kind: str, source: str, name: str) -> Scorer:
             value = fn(response, answer, prompt=prompt) if takes_prompt else fn(response, answer)
         except Exception as e:
             raise RewardError(
-                f"task.reward {kind!r} raised {_first_line(e)} (scoring the response {_shown(response)} against the "
+                f"task.reward {kind!r} raised {error_line(e)} (scoring the response {_shown(response)} against the "
                 f"answer {_shown(answer)})"
             ) from e
         returned = value
@@ -162,8 +162,9 @@ def _shown(value: object) -> str:
     return _cut(repr(value))
 
 
-def _first_line(e: BaseException) -> str:
-    """An exception as one line: its type and its message's first line (cut)."""
+def error_line(e: BaseException) -> str:
+    """An exception as one line for an error message: its type and its message's first line (cut to 200
+    characters; " ..." when lines follow)."""
     lines = str(e).strip().splitlines()
     if not lines:
         return type(e).__name__
@@ -199,7 +200,7 @@ def _module(kind: str, source: str):
                 if isinstance(e, ModuleNotFoundError) and beside
                 else ""
             )
-            raise RewardError(f"task.reward {kind!r}: importing {path} raised {_first_line(e)}{hint}") from e
+            raise RewardError(f"task.reward {kind!r}: importing {path} raised {error_line(e)}{hint}") from e
         return module
     try:
         return importlib.import_module(source)
@@ -209,6 +210,6 @@ def _module(kind: str, source: str):
                 f"task.reward {kind!r}: no module {e.name!r} on this Python's path: install it, add its folder to "
                 "PYTHONPATH, or name the file (FILE.py:FUNCTION)"
             ) from None
-        raise RewardError(f"task.reward {kind!r}: importing {source} raised {_first_line(e)}") from e
+        raise RewardError(f"task.reward {kind!r}: importing {source} raised {error_line(e)}") from e
     except Exception as e:
-        raise RewardError(f"task.reward {kind!r}: importing {source} raised {_first_line(e)}") from e
+        raise RewardError(f"task.reward {kind!r}: importing {source} raised {error_line(e)}") from e

@@ -356,7 +356,7 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
         new = [p for p in list_shards(s, run_id, iteration) if p not in seen]
         if not new:
             if not s.pool.alive():
-                raise WorkerError(s.pool.failed or "a rollout worker died")
+                raise WorkerError(s.pool.failure())
             if s.rollouts and all(f.wrapped_future.done() for f in s.rollouts):
                 _check_rollouts_finished(s, run_id, iteration, seen, expected_groups - groups_done)
                 continue

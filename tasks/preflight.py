@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from configs.schema import Config, ConfigError
+from models.rewards import error_line
 
 if TYPE_CHECKING:  # a type only: each check imports what it uses as it runs
     from storage.lake import Lake
@@ -218,11 +219,6 @@ def check_inputs(cfg: Config) -> None:
         check_dataset(cfg)
 
 
-def _first_line(e: BaseException, limit: int = 300) -> str:
-    text = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
-
-
 def check_prefect_api() -> None:
     """When runs go to a Prefect server (PREFECT_API_URL, from the environment or the Prefect profile), it answers as
     a Prefect API. Without one, each run starts a temporary local server: nothing to check."""
@@ -238,18 +234,18 @@ def check_prefect_api() -> None:
             client.api_version()  # the call Prefect's own version check makes first; JSON only from a Prefect API
     except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
         raise InputError(
-            f"PREFECT_API_URL={url!r} is not an http(s) URL ({_first_line(e)}): give the API's URL, "
+            f"PREFECT_API_URL={url!r} is not an http(s) URL ({error_line(e)}): give the API's URL, "
             "e.g. http://127.0.0.1:4200/api, or unset it to run on a temporary local Prefect server"
         ) from None
     except httpx.TransportError as e:  # refused, timed out, a name that does not resolve
         raise InputError(
-            f"the Prefect API at PREFECT_API_URL={url} is unreachable ({_first_line(e)}): start it "
+            f"the Prefect API at PREFECT_API_URL={url} is unreachable ({error_line(e)}): start it "
             "with `make services`, fix PREFECT_API_URL (e.g. http://127.0.0.1:4200/api), or unset it to "
             "run on a temporary local Prefect server"
         ) from None
     except Exception as e:  # an HTTP error status, or a page that is not JSON
         raise InputError(
-            f"PREFECT_API_URL={url} is not a Prefect API ({_first_line(e)}): give the API's URL, e.g. "
+            f"PREFECT_API_URL={url} is not a Prefect API ({error_line(e)}): give the API's URL, e.g. "
             "http://127.0.0.1:4200/api, or unset it to run on a temporary local Prefect server"
         ) from None
 
@@ -270,7 +266,7 @@ def check_tracking(cfg: Config) -> None:
             MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as e:  # MlflowException, a missing driver (ModuleNotFoundError), a bad URI (ValueError), ...
         raise InputError(
-            f"tracking.uri {uri!r} cannot be used ({_first_line(e)}): give sqlite:///PATH (the default "
+            f"tracking.uri {uri!r} cannot be used ({error_line(e)}): give sqlite:///PATH (the default "
             "is sqlite:///mlflow.db), the http(s) URL of a running MLflow server (`make services` starts "
             "one at http://127.0.0.1:5000), or set tracking.enabled=false"
         ) from None

@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from models.data_parallel import OptimizerShard, broadcast_weights, sum_gradients
+from models.rewards import error_line
 from models.trainer import LossSettings, PolicyTrainer, group_tokens
+from tasks.workers import ended
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -327,14 +329,14 @@ class DataParallelTrainer(PolicyTrainer):
     def _died(self, rank: int, detail: str = "") -> TrainRankError:
         """The error of rank `rank` gone; the trainer refuses every later call with it (a collective needs all)."""
         proc = self._procs[rank - 1]
-        self._broken = f"trainer rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode}){detail}"
+        self._broken = f"trainer rank {rank} (pid {proc.pid}) died ({ended(proc.exitcode)}){detail}"
         return TrainRankError(self._broken)
 
     def _fail(self, e: BaseException) -> None:
         """Mark the trainer unusable after `e` broke the protocol midway (a timeout, an unexpected message, a failed
         collective, an interrupt): the ranks may now wait for different things, and the next collective would hang."""
         if self._broken is None:
-            self._broken = f"{type(e).__name__}: {(str(e) or '-').splitlines()[0]}"
+            self._broken = error_line(e)
 
     def _wait_for(self, what: str, work) -> None:
         """Wait for a collective while watching the other ranks: one that dies is named (gloo would raise on its own;

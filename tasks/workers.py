@@ -512,6 +512,24 @@ def resident_mb(pid: int | None = None) -> float | None:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20 if pages else None
 
 
+def ended(exitcode: int | None) -> str:
+    """How a child process ended, for an error line: its exit code and, when a signal ended it, which one, with the
+    cause to look for when it is SIGKILL (which the kernel's out-of-memory killer sends) or a crash in native code."""
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        return f"exit code {exitcode}"
+    why = {
+        signal.SIGKILL: ": killed, by the kernel's out-of-memory killer (see `dmesg`) or another process",
+        signal.SIGSEGV: ": a crash in native code",
+        signal.SIGBUS: ": a crash in native code (or a shared-memory file cut short)",
+        signal.SIGABRT: ": aborted by native code",
+    }.get(-exitcode, "")
+    return f"exit code {exitcode}, {name}{why}"
+
+
 def _terminate(procs: list) -> None:
     for p in procs:
         if p.is_alive():
@@ -639,8 +657,7 @@ class WorkerPool:
                     try:  # its last message (an error's traceback) can land after the wait above ran out
                         msg = self.results[w].get(timeout=1.0)
                     except queue.Empty:
-                        self.failed = f"rollout worker {w} died (exit code {self.procs[w].exitcode})"
-                        raise WorkerError(self.failed) from None
+                        raise WorkerError(self._died(w)) from None
                     return self._checked(w, msg)
                 if time.monotonic() > deadline:
                     self.failed = f"rollout worker {w} gave no answer within {timeout_s:.0f} s"
@@ -655,8 +672,18 @@ class WorkerPool:
             raise WorkerError(self.failed)
         return msg
 
+    def _died(self, w: int) -> str:
+        self.failed = f"rollout worker {w} (pid {self.procs[w].pid}) died ({ended(self.procs[w].exitcode)})"
+        return self.failed
+
     def alive(self) -> bool:
         return self.failed is None and all(p.is_alive() for p in self.procs)
+
+    def failure(self) -> str:
+        """Why the pool is not `alive`: the error a worker sent, else which worker died and how."""
+        if self.failed is None:
+            self._died(next(w for w, p in enumerate(self.procs) if not p.is_alive()))
+        return self.failed
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell every worker to exit; one still alive `timeout_s` later is killed, and reaped. The queues are then

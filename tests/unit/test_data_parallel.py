@@ -145,7 +145,9 @@ def test_a_rank_that_dies_is_named_and_the_trainer_closes():
         proc = two._procs[0]
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(timeout=10)
-        with pytest.raises(TrainRankError, match=r"^trainer rank 1 \(pid \d+\) died \(exit code -9\)$"):
+        with pytest.raises(
+            TrainRankError, match=r"^trainer rank 1 \(pid \d+\) died \(exit code -9, SIGKILL: killed, .*process\)$"
+        ):
             two.optimizer_step()
         with pytest.raises(TrainRankError, match=r"cannot go on: trainer rank 1 \(pid \d+\) died"):
             two.micro_step([_group(3)])
@@ -175,7 +177,7 @@ def test_a_rank_that_dies_inside_the_gradient_sum_is_named(monkeypatch):
         two.micro_step([_group(1), _group(2)])
         with pytest.raises(
             TrainRankError,
-            match=r"^trainer rank 1 \(pid \d+\) died \(exit code -9\) during the gradient sum(: [^\n]*closed[^\n]*)?$",
+            match=r"^trainer rank 1 \(pid \d+\) died \(exit code -9, SIGKILL: killed, .*process\) during the gradient sum(: [^\n]*closed[^\n]*)?$",
         ):
             two.optimizer_step()
         with pytest.raises(TrainRankError, match="cannot go on: trainer rank 1 .* during the gradient sum"):

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from configs.schema import ConfigError, load_config, resolved_json
 from flows import cli
+from models.rewards import error_line
 from models.tiny import (
     DEFAULT_ALPHABET,
     ModelDirError,
@@ -29,7 +30,7 @@ from models.tiny import (
     load_hf,
     save_hf,
 )
-from tasks.preflight import InputError, _first_line, check_backend, check_inputs, check_prefect_api, check_tracking
+from tasks.preflight import InputError, check_backend, check_inputs, check_prefect_api, check_tracking
 from tests.cli_output import cli_stderr, squash
 from tests.ports import free_port
 
@@ -762,8 +763,8 @@ def test_dataset_and_eval_dataset_are_checked_with_their_own_splits(monkeypatch,
     assert seen == [("org/train-set", "hf", "train"), ("org/eval-set", "hf", "validation")]
 
 
-def test_first_line_of_an_error_is_cut_at_300_characters():
-    assert _first_line(ValueError("x" * 400)) == "ValueError: " + "x" * 300 + "..."
-    assert _first_line(ValueError("x" * 300)) == "ValueError: " + "x" * 300
-    assert _first_line(RuntimeError("\n first\nsecond")) == "RuntimeError: first"
-    assert _first_line(KeyError()) == "KeyError: "
+def test_an_error_is_told_in_one_line_cut_at_200_characters():
+    assert error_line(ValueError("x" * 400)) == "ValueError: " + "x" * 197 + "..."
+    assert error_line(ValueError("x" * 200)) == "ValueError: " + "x" * 200
+    assert error_line(RuntimeError("\n first\nsecond")) == "RuntimeError: first ..."
+    assert error_line(KeyError()) == "KeyError"

@@ -36,6 +36,7 @@ from tasks.workers import (
     WorkerPool,
     _Worker,
     _worker_main,
+    ended,
 )
 from tests.unit.test_worker_protocol import RUN_SEED, Served, worker  # noqa: F401 - the fixture
 
@@ -407,6 +408,7 @@ class _Alive:
 
 class _Dead:
     exitcode = 3
+    pid = 4321
 
     def is_alive(self) -> bool:
         return False
@@ -489,9 +491,41 @@ def test_a_worker_that_does_not_start_in_time_fails_the_pool():
 
 def test_a_dead_worker_without_a_message_is_reported_with_its_exit_code():
     pool = _pool([_Dead()], [_Silent()])
-    with pytest.raises(WorkerError, match=r"^rollout worker 0 died \(exit code 3\)$"):
+    with pytest.raises(WorkerError, match=r"^rollout worker 0 \(pid 4321\) died \(exit code 3\)$"):
         pool._next(0, timeout_s=30)
-    assert pool.failed == "rollout worker 0 died (exit code 3)"
+    assert pool.failed == "rollout worker 0 (pid 4321) died (exit code 3)"
+
+
+def test_the_pools_failure_names_the_dead_worker_or_keeps_the_error_a_worker_sent():
+    """The train task, finding the pool not alive before a rollout task has read why, says which worker died and
+    how; an error a worker already sent stays the failure."""
+    dead = _Dead()
+    dead.exitcode = -9
+    pool = _pool([_Alive(), dead], [None, None])
+    assert pool.failure() == (
+        "rollout worker 1 (pid 4321) died (exit code -9, SIGKILL: killed, by the kernel's out-of-memory killer "
+        "(see `dmesg`) or another process)"
+    )
+    assert pool.failed == pool.failure()
+    pool = _pool([_Alive()], [_filled(("error", "Traceback: boom"))])
+    with pytest.raises(WorkerError):
+        pool._next(0, timeout_s=30)
+    assert pool.failure() == "rollout worker 0 failed:\nTraceback: boom"
+
+
+@pytest.mark.parametrize(
+    "code,words",
+    [
+        (0, "exit code 0"),
+        (3, "exit code 3"),
+        (None, "exit code None"),
+        (-11, "exit code -11, SIGSEGV: a crash in native code"),
+        (-15, "exit code -15, SIGTERM"),
+        (-200, "exit code -200"),  # no such signal
+    ],
+)
+def test_how_a_process_ended_is_told_by_its_exit_code_and_signal(code, words):
+    assert ended(code) == words
 
 
 def test_a_live_workers_error_fails_the_pool():
