@@ -150,6 +150,28 @@ class DatasetSection(_Section):
     )
     template: str = Field("Question: {question}\nAnswer: ", description="Prompt text; `{question}` is replaced.")
     max_rows: int | None = Field(None, ge=1, description="Read at most this many usable rows.")
+    extra_fields: list[str] = Field(
+        default_factory=list,
+        description="More fields of each row that your own task.reward receives as keyword arguments of the same "
+        "names, as read (e.g. a list of test cases, a problem's metadata); a row without one is skipped.",
+    )
+
+    @field_validator("extra_fields")
+    @classmethod
+    def _extra_fields(cls, names: list[str]) -> list[str]:
+        from models.rewards import RESERVED
+
+        for name in names:
+            if not name:
+                raise ValueError("an empty field name: give each field's name as the rows spell it")
+            if name in RESERVED:
+                raise ValueError(
+                    f"{name!r} is the name of an argument task.reward already receives ({', '.join(RESERVED)}): "
+                    "rename the field in the data"
+                )
+        if len(set(names)) < len(names):
+            raise ValueError(f"{names} lists a field twice: give each once")
+        return names
 
     @field_validator("template")
     @classmethod
@@ -174,8 +196,8 @@ class TaskSection(_Section):
         "arithmetic",
         description="arithmetic: exact match plus partial credit; math_verify: symbolic equality (math-verify); or "
         "your own function, FILE.py:FUNCTION or MODULE:FUNCTION, called as f(response, answer) (and prompt= if it "
-        "takes it) for a float; held-out accuracy counts a reward >= 1.0 as correct. A relative FILE is read from "
-        "the working directory (the run keeps its absolute path).",
+        "takes it, and dataset.extra_fields by name) for a float; held-out accuracy counts a reward >= 1.0 as "
+        "correct. A relative FILE is read from the working directory (the run keeps its absolute path).",
     )
     max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")
@@ -204,6 +226,10 @@ class TaskSection(_Section):
         from models.rewards import absolute_spec
 
         return absolute_spec(reward)  # ValueError (the forms to give) for anything else
+
+    def reward_fields(self) -> tuple[str, ...]:
+        """The names of the dataset fields `reward` receives as keyword arguments (`dataset.extra_fields`)."""
+        return tuple(self.dataset.extra_fields) if self.dataset is not None else ()
 
     def newline_stop(self) -> bool:
         """Whether responses end at a newline token (`stop_at_newline`, resolved by the task's kind)."""
@@ -453,6 +479,14 @@ class Config(_Section):
             raise ValueError(
                 "task.dataset is set but task.kind is 'arithmetic', which would ignore it: set "
                 "task.kind: dataset, or remove the task.dataset section"
+            )
+        from models.rewards import BUILTIN_REWARDS
+
+        if self.task.reward_fields() and self.task.reward in BUILTIN_REWARDS:
+            raise ValueError(
+                f"task.dataset.extra_fields {list(self.task.reward_fields())} are passed to your own task.reward "
+                f"function, and task.reward is the built-in {self.task.reward!r}, which takes none: set task.reward "
+                "to FILE.py:FUNCTION, or remove extra_fields"
             )
         if len(set(self.task.ops)) < len(self.task.ops):  # a problem listed twice could be both trained and held out
             raise ValueError(f"task.ops {self.task.ops} lists an operator twice: give each once")

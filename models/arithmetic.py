@@ -8,7 +8,7 @@ while answers are a few digits: the regime where the prompt dominates compute.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -30,11 +30,13 @@ class Problem:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a split: its stable id, the text given to the model and the reference answer."""
+    """One prompt of a split: its stable id, the text given to the model, the reference answer and, for a dataset's
+    prompt, the extra fields a user's reward function receives (`task.dataset.extra_fields`)."""
 
     prompt_id: int
     text: str
     answer: str
+    extra: dict = field(default_factory=dict, hash=False)
 
 
 def _format_shot(p: Problem) -> str:

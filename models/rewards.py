@@ -2,18 +2,21 @@
 
 `reward` is a built-in kind (`arithmetic`, `math_verify`) or the user's own function, named `FILE.py:FUNCTION` or
 `MODULE:FUNCTION` (an importable module, e.g. an installed package's). A user's function is called as
-`fn(response, answer)`, with `prompt=` added when it declares a `prompt` parameter (or `**kwargs`), and returns a
-finite real number (a bool counts as 0 / 1). It runs in every rollout worker process (spawned: each imports it
+`fn(response, answer)`, with `prompt=` added when it declares a `prompt` parameter (or `**kwargs`), and each of a
+dataset's `extra_fields` as a keyword argument of its name (a copy per call); it returns a finite real number (a bool
+counts as 0 / 1). It runs in every rollout worker process (spawned: each imports it
 itself) and in the trainer's process for held-out accuracy, where a greedy answer counts as correct when its
 reward is at least 1.0.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import keyword
 import math
 import numbers
 import re
@@ -24,7 +27,8 @@ from pathlib import Path
 from models import arithmetic
 
 BUILTIN_REWARDS = ("arithmetic", "math_verify")
-Scorer = Callable[..., float]  # (response, answer, prompt="") -> reward
+Scorer = Callable[..., float]  # (response, answer, prompt="", **extra fields) -> reward
+RESERVED = ("response", "answer", "prompt")  # the arguments every reward function may receive: no extra field's name
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 FORMS = "'arithmetic', 'math_verify', FILE.py:FUNCTION or MODULE:FUNCTION"
 
@@ -59,10 +63,13 @@ def absolute_spec(kind: str) -> str:
     return f"{Path(spec[0]).expanduser().absolute()}:{spec[1]}"
 
 
-def reward_function(kind: str, partial_credit: float = 0.0) -> Scorer:
-    """The scorer `kind` names, called as `scorer(response, answer, prompt="")`: `arithmetic` (exact match plus
-    `partial_credit` x per-digit credit), `math_verify` (symbolic equality of the final answer), or a user's function
-    (loaded and checked here; RewardError says what is wrong)."""
+def reward_function(kind: str, partial_credit: float = 0.0, fields: tuple[str, ...] = ()) -> Scorer:
+    """The scorer `kind` names, called as `scorer(response, answer, prompt="", **extra)`: `arithmetic` (exact match
+    plus `partial_credit` x per-digit credit), `math_verify` (symbolic equality of the final answer), or a user's
+    function (loaded and checked here, to take the keyword arguments `fields` too; RewardError says what is wrong).
+    `extra` holds a prompt's values of `fields` (none for a built-in kind, which takes none)."""
+    if kind in BUILTIN_REWARDS and fields:
+        raise RewardError(f"task.reward {kind!r} is built in and takes no extra fields ({', '.join(fields)})")
     if kind == "arithmetic":
         return lambda response, answer, prompt="": arithmetic.reward(response, answer, partial_credit)
     if kind == "math_verify":
@@ -73,7 +80,7 @@ def reward_function(kind: str, partial_credit: float = 0.0) -> Scorer:
         spec = function_spec(kind)
     except ValueError as e:
         raise RewardError(f"unknown reward kind: {e}") from None
-    return _user_scorer(kind, *spec)
+    return _user_scorer(kind, *spec, fields)
 
 
 def source_digest(kind: str) -> str | None:
@@ -86,7 +93,7 @@ def source_digest(kind: str) -> str | None:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
 
 
-def _user_scorer(kind: str, source: str, name: str) -> Scorer:
+def _user_scorer(kind: str, source: str, name: str, fields: tuple[str, ...] = ()) -> Scorer:
     module = _module(kind, source)
     fn = getattr(module, name, None)
     if fn is None:
@@ -113,18 +120,25 @@ def _user_scorer(kind: str, source: str, name: str) -> Scorer:
         "prompt" in params and params["prompt"].kind is not inspect.Parameter.POSITIONAL_ONLY
     )
     if signature is not None:
+        keywords = (["prompt"] if takes_prompt else []) + list(fields)
         try:
-            signature.bind("response", "answer", **({"prompt": ""} if takes_prompt else {}))
+            signature.bind("response", "answer", **dict.fromkeys(keywords))
         except TypeError as e:
+            call = ", ".join(["response", "answer", *(f"{k}=..." for k in keywords)])
+            also = ", and one keyword argument per field of task.dataset.extra_fields" if fields else ""
+            odd = [f for f in fields if not f.isidentifier() or keyword.iskeyword(f)]
+            if odd:
+                also += f" ({', '.join(map(repr, odd))}: not a Python name, so only a **kwargs parameter receives it)"
             raise RewardError(
-                f"task.reward {kind!r}: {name}{signature} cannot be called as {name}(response, answer"
-                f"{', prompt=...' if takes_prompt else ''}) ({e}); a reward function takes the response and the "
-                "reference answer (and, optionally, prompt=)"
+                f"task.reward {kind!r}: {name}{signature} cannot be called as {name}({call}) ({e}); a reward "
+                f"function takes the response and the reference answer (and, optionally, prompt=){also}"
             ) from None
 
-    def scorer(response: str, answer: str, prompt: str = "") -> float:
+    def scorer(response: str, answer: str, prompt: str = "", **extra) -> float:
         try:
-            value = fn(response, answer, prompt=prompt) if takes_prompt else fn(response, answer)
+            if extra:  # a copy per call: a function that changes its argument does not change the next sample's
+                extra = copy.deepcopy(extra)
+            value = fn(response, answer, prompt=prompt, **extra) if takes_prompt else fn(response, answer, **extra)
         except Exception as e:
             raise RewardError(
                 f"task.reward {kind!r} raised {error_line(e)} (scoring the response {_shown(response)} against the "

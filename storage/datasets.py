@@ -1,7 +1,8 @@
 """Prompt datasets from JSONL or Parquet at any fsspec URL, or from Hugging Face `datasets` when installed.
 
 Each usable row becomes a `PromptRecord` (stable id = its row number in the source, prompt text, reference
-answer). GSM8K-style answers (`... #### 72`) are reduced to the final answer after `####`.
+answer, and the values of the extra fields a user's reward function receives). GSM8K-style answers
+(`... #### 72`) are reduced to the final answer after `####`.
 Rows that cannot be used — a missing or non-string field, an empty question, invalid UTF-8, a prompt longer
 than the limit, a line that is not JSON — are skipped and counted (`on_bad_row="skip"`) or stop the load with
 the source, the row and the reason (`on_bad_row="fail"`).
@@ -26,6 +27,7 @@ class PromptRecord:
     prompt_id: int
     text: str
     answer: str
+    extra: dict = field(default_factory=dict, hash=False)  # extra field -> its value, as read
 
 
 @dataclass
@@ -179,8 +181,10 @@ def load_prompts(
     max_prompt_chars: int = 8192,
     on_bad_row: Literal["skip", "fail"] = "skip",
     limit: int | None = None,
+    extra_fields: tuple[str, ...] = (),
 ) -> tuple[list[PromptRecord], LoadReport]:
-    """Read prompts; returns the usable records and a report of what was skipped and why."""
+    """Read prompts; returns the usable records and a report of what was skipped and why. Each of `extra_fields`
+    must be in a row (any value, null too) and is kept as read."""
     report = LoadReport(source=uri)
     records: list[PromptRecord] = []
     for i, row in _rows(uri, fmt, split):
@@ -198,6 +202,8 @@ def load_prompts(
             reason = f"missing field {answer_field!r}"
         elif not row[question_field].strip():
             reason = f"empty {question_field!r}"
+        elif missing := [f for f in extra_fields if f not in row]:
+            reason = f"missing extra field {missing[0]!r}"
         else:
             text = template.format(question=row[question_field].strip())
             answer = gsm8k_final_answer(str(row[answer_field]))
@@ -213,7 +219,7 @@ def load_prompts(
             if len(report.examples) < 5:
                 report.examples.append(f"row {i}: {reason}")
             continue
-        records.append(PromptRecord(prompt_id=i, text=text, answer=answer))
+        records.append(PromptRecord(i, text, answer, {f: row[f] for f in extra_fields}))
         report.kept += 1
         if limit is not None and len(records) >= limit:
             break
@@ -230,6 +236,7 @@ def load_prompts(
     if not records:
         raise DatasetError(
             f"{uri}: no usable rows ({report.summary()}); the fields read are task.dataset.question_field="
-            f"{question_field!r} and answer_field={answer_field!r}: set them to the file's"
+            f"{question_field!r} and answer_field={answer_field!r}"
+            f"{f' and extra_fields={list(extra_fields)}' if extra_fields else ''}: set them to the file's"
         )
     return records, report

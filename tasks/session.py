@@ -230,7 +230,7 @@ def task_prompts(cfg: Config, tokenizer, warn: bool = False) -> tuple[list, list
         for note in unwritable_text(cfg, tokenizer, train_prompts, train_ids, eval_prompts, eval_ids):
             logging.getLogger("lockstep").warning(note)
     # worker-side prompt ids index the training list
-    train_prompts = [arithmetic.Prompt(i, p.text, p.answer) for i, p in enumerate(train_prompts)]
+    train_prompts = [arithmetic.Prompt(i, p.text, p.answer, p.extra) for i, p in enumerate(train_prompts)]
     return train_prompts, train_ids, eval_prompts, eval_ids
 
 
@@ -343,6 +343,7 @@ def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
         template=d.template,
         on_bad_row=cfg.data.on_bad_row,
         max_prompt_chars=cfg.task.max_prompt_tokens * 8,
+        extra_fields=tuple(d.extra_fields),
     )  # a cheap pre-filter; tokens are checked after
     rows, report = load_prompts(d.uri, fmt=d.format, split=d.split, limit=d.max_rows, **common)
     if report.skipped and warn:
@@ -360,14 +361,17 @@ def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
         random.Random(cfg.task.split_seed).shuffle(order)
         held = [rows[i] for i in order[: cfg.task.n_eval]]
         rows = [rows[i] for i in sorted(order[cfg.task.n_eval :])]
-    to_prompt = lambda r: arithmetic.Prompt(r.prompt_id, r.text, r.answer)  # noqa: E731
+    to_prompt = lambda r: arithmetic.Prompt(r.prompt_id, r.text, r.answer, r.extra)  # noqa: E731
     return [to_prompt(r) for r in rows], [to_prompt(r) for r in held]
 
 
 def bootstrap_key(cfg: Config) -> str:
+    task = cfg.task.model_dump(mode="json")
+    if task["dataset"] is not None and not task["dataset"]["extra_fields"]:  # a field added after v0s were cached:
+        del task["dataset"]["extra_fields"]  # without any, the key of the runs before it (their resume finds its v0)
     key = {
         "model": cfg.model.model_dump(mode="json"),
-        "task": cfg.task.model_dump(mode="json"),
+        "task": task,
         "bootstrap": cfg.bootstrap.model_dump(mode="json"),
         "seed": cfg.run.seed,
         "alphabet": DEFAULT_ALPHABET,
@@ -408,7 +412,8 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
     stop_when = None
     if b.target_accuracy is not None:  # checked on training prompts: the held-out split stays unseen
         check = list(range(min(b.check_prompts, len(train_prompts))))
-        scorer = reward_function(cfg.task.reward)  # loaded once: an edit of a user's file mid-bootstrap is not seen
+        # loaded once: an edit of a user's file mid-bootstrap is not seen
+        scorer = reward_function(cfg.task.reward, fields=cfg.task.reward_fields())
 
         def stop_when(step: int) -> bool:
             acc = accuracy(
@@ -485,7 +490,10 @@ def accuracy(
     )
     model.train(was_training)
     score = reward_function(reward) if isinstance(reward, str) else reward
-    hits = sum(score(tok.decode(o, skip_special_tokens=True), p.answer, p.text) >= 1.0 for o, p in zip(outs, prompts))
+    hits = sum(
+        score(tok.decode(o, skip_special_tokens=True), p.answer, p.text, **p.extra) >= 1.0
+        for o, p in zip(outs, prompts)
+    )
     return hits / len(prompts)
 
 
@@ -683,7 +691,8 @@ def _open_with_trainer(
             "gpu_memory_utilization": cfg.rollout.vllm_gpu_memory_utilization,
             "max_model_len": cfg.rollout.vllm_max_model_len,
         },
-        prompts=[(p.prompt_id, p.text, p.answer, i) for p, i in zip(train_prompts, train_ids)],
+        prompts=[(p.prompt_id, p.text, p.answer, i, p.extra) for p, i in zip(train_prompts, train_ids)],
+        reward_fields=cfg.task.reward_fields(),
     )
     with contextlib.ExitStack() as undo:  # a failure from here (MLflow unreachable, no shared memory) must not leave
         # the workers, an MLflow run marked running or a shared-memory file behind

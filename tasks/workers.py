@@ -52,10 +52,12 @@ class WorkerSpec:
     partial_credit: float
     compression: str | None
     reward_kind: str
-    prompts: list[tuple[int, str, str, list[int]]] = field(repr=False)  # (prompt_id, text, answer, token ids)
+    # (prompt_id, text, answer, token ids, extra fields for the reward)
+    prompts: list[tuple[int, str, str, list[int], dict]] = field(repr=False)
     engine: str = "builtin"  # builtin | vllm
     stop_at_newline: bool = True  # a response also ends at a newline token (`task.stop_at_newline`)
     vllm: dict = field(default_factory=dict)  # VLLMEngine keyword arguments
+    reward_fields: tuple[str, ...] = ()  # `task.dataset.extra_fields`, which the reward function receives
 
 
 _MAPPED: dict[str, object] = {}  # SharedWeights file -> this process's mapping of it (a uint8 tensor)
@@ -233,7 +235,9 @@ class _Worker:
 
         self.id, self.spec, self.commands, self.parent = worker_id, spec, commands, parent
         self.lake = Lake(spec.lake_uri)
-        self.reward = reward_function(spec.reward_kind, spec.partial_credit)  # a user's: imported in this process
+        self.reward = reward_function(
+            spec.reward_kind, spec.partial_credit, spec.reward_fields
+        )  # a user's: imported in this process
         self.vllm = None
         if spec.engine == "vllm":
             from transformers import AutoTokenizer
@@ -316,7 +320,7 @@ class _Worker:
         records = []
         gen_tokens = 0
         for pid, group in zip(chunk.prompt_ids, groups):
-            _, text, answer, pids = self.prompts[pid]
+            _, text, answer, pids, extra = self.prompts[pid]
             for j, s in enumerate(group):
                 resp = tok.decode(s.response_ids, skip_special_tokens=True)
                 gen_tokens += len(s.response_ids)
@@ -332,7 +336,7 @@ class _Worker:
                         response_ids=s.response_ids,
                         behavior_logprobs=s.logprobs,
                         token_versions=s.token_versions,
-                        reward=self.reward(resp, answer, text),
+                        reward=self.reward(resp, answer, text, **extra),
                         finish_reason=s.finish_reason,
                         prompt_text=text,
                         response_text=resp,

@@ -76,3 +76,66 @@ def test_a_run_scored_by_a_users_module(tmp_path, monkeypatch):
     assert summary["eval_accuracy_final"] == sum(c["value"] >= 1.0 for c in final) / 20
     assert summary["eval_accuracy_final"] == sum(len(c["response"].strip()) == len(c["answer"]) for c in final) / 20
     assert {1.0, 1.25} <= {c["value"] for c in final}  # both count as correct
+
+
+EXTRA_REWARD = """
+import json, os
+
+def score(response, answer, prompt, accepted, weight):
+    # full credit for the reference answer or one the row accepts, plus the row's weight; each call is logged
+    value = float(response.strip() in [answer, *accepted]) + weight
+    with open(os.path.join(os.environ["LOCKSTEP_TEST_REWARD_LOG"], f"{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps({"prompt": prompt, "accepted": accepted, "weight": weight, "value": value}) + "\\n")
+    return value
+"""
+
+
+def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_evaluation(tmp_path, monkeypatch):
+    """`task.dataset.extra_fields: [accepted, weight]`: every stored reward, made in a spawned rollout worker, and
+    every held-out score, made in this process, is the function of that prompt's own row."""
+    import random
+
+    rng = random.Random(0)
+    rows = {}
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for i in range(40):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            row = {"question": f"what is {a}+{b}?", "answer": f"#### {a + b}", "accepted": [str(a + b + i % 2)]}
+            row["weight"] = (i % 4) / 8
+            rows.setdefault(f"Question: {row['question']}\nAnswer: ", []).append(row)
+            f.write(json.dumps(row) + "\n")
+    rows = {text: same[0] for text, same in rows.items() if len(same) == 1}  # a question asked twice: ambiguous
+    (tmp_path / "extra_reward.py").write_text(EXTRA_REWARD)
+    log = tmp_path / "calls"
+    log.mkdir()
+    monkeypatch.setenv("LOCKSTEP_TEST_REWARD_LOG", str(log))
+    overrides = {
+        "task.kind": "dataset",
+        "task.reward": f"{tmp_path}/extra_reward.py:score",
+        "task.n_eval": 8,
+        "task.dataset": {"uri": str(tmp_path / "train.jsonl"), "extra_fields": ["accepted", "weight"]},
+        "run.iterations": 1,
+        "bootstrap.steps": 10,
+    }
+    summary = train_flow(config_path=write_config(tmp_path, "extra", overrides))
+
+    calls = {int(p.stem): [json.loads(line) for line in p.read_text().splitlines()] for p in log.iterdir()}
+    assert set(calls) - {os.getpid()}, "no rollout worker called the function"
+    for made in calls.values():
+        for c in made:
+            if c["prompt"] in rows:
+                assert (c["accepted"], c["weight"]) == (rows[c["prompt"]]["accepted"], rows[c["prompt"]]["weight"])
+    samples = all_samples(str(tmp_path / "lake"), "extra")
+    assert len(samples) == 8 * 4
+    checked = 0
+    for r in samples.values():
+        row = rows.get(r.prompt_text)
+        if row is None:
+            continue
+        answer = row["answer"].removeprefix("#### ")
+        assert r.reward == float(r.response_text.strip() in [answer, *row["accepted"]]) + row["weight"]
+        checked += 1
+    assert checked >= 16 and len({r.reward for r in samples.values()}) > 1
+    held_out = calls[os.getpid()]
+    assert len(held_out) == 2 * 8  # v0 and v1, 8 held-out prompts each
+    assert summary["eval_accuracy_final"] == sum(c["value"] >= 1.0 for c in held_out[-8:]) / 8

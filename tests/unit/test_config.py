@@ -1093,3 +1093,24 @@ def test_rollout_workers_beyond_an_iterations_chunks_are_named_in_sync_and_perio
         ]
     assert inert_settings(load_config(None, ["rollout.prompts_per_iteration=30", "resources.rollout_workers=8"])) == []
     assert inert_settings(load_config(None, ["resources.rollout_workers=9", *eight, "pipeline.mode=async"])) == []
+
+
+def test_extra_fields_name_keyword_arguments_of_a_users_reward_only():
+    """`task.dataset.extra_fields` go to the user's reward function as keyword arguments: a built-in reward takes
+    none, a name the function already receives, an empty name or one given twice is refused with the field's path."""
+    dataset = ["task.kind=dataset", "task.dataset.uri=x.jsonl"]
+    cfg = load_config(None, [*dataset, "task.reward=mod:f", "task.dataset.extra_fields=[tests, meta]"])
+    assert cfg.task.reward_fields() == ("tests", "meta")
+    assert load_config(None, [*dataset, "task.reward=mod:f"]).task.reward_fields() == ()
+    assert load_config(None, []).task.reward_fields() == ()  # arithmetic: no dataset
+    message = load_error(None, [*dataset, "task.reward=math_verify", "task.dataset.extra_fields=[tests]"])
+    assert "task.dataset.extra_fields ['tests'] are passed to your own task.reward function" in message
+    assert "the built-in 'math_verify', which takes none" in message
+    for given, words in [
+        ("[prompt]", "'prompt' is the name of an argument task.reward already receives (response, answer, prompt)"),
+        ("[answer]", "'answer' is the name of an argument task.reward already receives"),
+        ("['']", "an empty field name"),
+        ("[a, b, a]", "['a', 'b', 'a'] lists a field twice"),
+    ]:
+        message = load_error(None, [*dataset, "task.reward=mod:f", f"task.dataset.extra_fields={given}"])
+        assert "task.dataset.extra_fields" in message and words in message, message

@@ -358,3 +358,33 @@ def test_prompt_length_limit_is_inclusive_and_8192_by_default(tmp_path):
     assert report.examples == ["row 1: prompt longer than 8192 characters (8193)"]
     records, _ = load_prompts(path, max_prompt_chars=100)
     assert [r.prompt_id for r in records] == [2]
+
+
+def test_extra_fields_are_kept_as_read_and_a_row_without_one_is_skipped(tmp_path):
+    """Each of `extra_fields` is kept with its value as read (a list, a number, null); a row that lacks one is
+    skipped and counted, or fails the load with its row and field; a file where no row has one names them."""
+    rows = [
+        {"question": "q0", "answer": "#### 1", "tests": [[1, 2], [3, 4]], "level": 2},
+        {"question": "q1", "answer": "2", "tests": None, "level": 0},
+        {"question": "q2", "answer": "3", "level": 1},  # no tests
+    ]
+    path = _jsonl(str(tmp_path / "d.jsonl"), [json.dumps(r).encode() for r in rows])
+    records, report = load_prompts(path, extra_fields=("tests", "level"))
+    assert [(r.prompt_id, r.answer, r.extra) for r in records] == [
+        (0, "1", {"tests": [[1, 2], [3, 4]], "level": 2}),
+        (1, "2", {"tests": None, "level": 0}),
+    ]
+    assert report.skipped == {"missing extra field 'tests'": 1} and report.examples == [
+        "row 2: missing extra field 'tests'"
+    ]
+    assert [r.extra for r in load_prompts(path)[0]] == [{}, {}, {}]  # none asked: none kept
+    with pytest.raises(DatasetError, match="row 2: missing extra field 'tests' "):
+        load_prompts(path, extra_fields=("tests",), on_bad_row="fail")
+    with pytest.raises(DatasetError, match=r"answer_field='answer' and extra_fields=\['cases'\]: set them"):
+        load_prompts(path, extra_fields=("cases",))
+    parquet = str(tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:2]), parquet)
+    assert [r.extra for r in load_prompts(parquet, extra_fields=("tests",))[0]] == [
+        {"tests": [[1, 2], [3, 4]]},
+        {"tests": None},
+    ]

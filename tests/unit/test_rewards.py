@@ -312,3 +312,63 @@ def test_the_source_digest_is_of_the_file_the_function_comes_from(tmp_path, monk
     expected = hashlib.sha256(open(models.arithmetic.__file__, "rb").read()).hexdigest()
     assert source_digest("models.arithmetic:reward") == expected  # a module: its own file
     assert source_digest("arithmetic") is None and source_digest("math_verify") is None
+
+
+def test_a_datasets_extra_fields_reach_the_function_as_keyword_arguments(tmp_path):
+    """`task.dataset.extra_fields`: the scorer passes a prompt's values by name, with prompt= where the function takes
+    it; a function without a parameter (or **kwargs) for one of them is refused at load, naming the call it must
+    take."""
+    path = _write(
+        tmp_path,
+        "def tests_pass(response, answer, tests):\n    return sum(t == response for t in tests) / len(tests)\n"
+        "def with_prompt(response, answer, prompt, level):\n    return level + len(prompt)\n"
+        "def with_kwargs(response, answer, **kw):\n    return kw['level'] * 2 + len(kw['prompt'])\n"
+        "def too_few(response, answer, level):\n    return level\n",
+    )
+    score = reward_function(f"{path}:tests_pass", fields=("tests",))
+    assert score("a", "x", "p", tests=["a", "b", "a", "c"]) == 0.5
+    assert reward_function(f"{path}:with_prompt", fields=("level",))("r", "a", "pp", level=3) == 5.0
+    assert reward_function(f"{path}:with_kwargs", fields=("level", "tests"))("r", "a", "p", level=2, tests=[]) == 5.0
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{path}:too_few", fields=("level", "tests"))
+    assert str(e.value) == (
+        f"task.reward '{path}:too_few': too_few(response, answer, level) cannot be called as "
+        "too_few(response, answer, level=..., tests=...) (got an unexpected keyword argument 'tests'); a reward "
+        "function takes the response and the reference answer (and, optionally, prompt=), and one keyword argument "
+        "per field of task.dataset.extra_fields"
+    )
+    # through the config: the fields a dataset's config lists are those checked before any work
+    cfg = load_config(
+        None,
+        [
+            "task.kind=dataset",
+            "task.dataset.uri=x.jsonl",
+            f"task.reward={path}:too_few",
+            "task.dataset.extra_fields=[level, tests]",
+        ],
+    )
+    with pytest.raises(InputError, match="cannot be called as too_few"):
+        check_reward(cfg)
+    cfg = load_config(None, ["task.kind=dataset", "task.dataset.uri=x.jsonl", f"task.reward={path}:too_few"])
+    with pytest.raises(InputError, match=r"cannot be called as too_few\(response, answer\)"):
+        check_reward(cfg)  # without extra_fields, a parameter `level` is never given
+
+
+def test_each_call_gets_its_own_copy_of_the_extra_fields_and_a_builtin_takes_none(tmp_path):
+    """A function that changes its argument (pops a test case) does not change what the next sample of the prompt
+    is scored with; a field that is not a Python name is said to reach **kwargs only; a built-in reward given
+    fields is refused."""
+    path = _write(
+        tmp_path,
+        "def pops(response, answer, tests):\n    return len(tests.pop())\n"
+        "def named(response, answer, level):\n    return level\n",
+    )
+    score, tests = reward_function(f"{path}:pops", fields=("tests",)), [["a"], ["b", "c"]]
+    assert [score("r", "a", tests=tests) for _ in range(3)] == [2.0, 2.0, 2.0]
+    assert tests == [["a"], ["b", "c"]]
+    with pytest.raises(RewardError, match=r"\('test-cases', 'class': not a Python name, so only a \*\*kwargs"):
+        reward_function(f"{path}:named", fields=("level", "test-cases", "class"))
+    with pytest.raises(
+        RewardError, match=r"^task.reward 'math_verify' is built in and takes no extra fields \(tests\)$"
+    ):
+        reward_function("math_verify", fields=("tests",))

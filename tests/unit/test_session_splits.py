@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from configs.schema import load_config
+from models.arithmetic import Prompt
 from models.tiny import build_char_tokenizer
 from storage.lake import Lake
 from tasks import session as session_module
@@ -109,7 +110,7 @@ def test_accuracy_counts_exact_answers_and_leaves_the_model_in_its_mode(tiny_hf,
         return outs
 
     monkeypatch.setattr(session_module, "greedy_answers", greedy)
-    prompts = [SimpleNamespace(answer="12", text="7+5="), SimpleNamespace(answer="8", text="4+4=")]
+    prompts = [Prompt(0, "7+5=", "12"), Prompt(0, "4+4=", "8")]
     for training in (True, False):
         model.train(training)
         assert session_module.accuracy(model, tok, [[1], [2]], prompts, 4) == 0.5
@@ -130,7 +131,7 @@ def test_accuracy_counts_a_reward_of_at_least_one_as_correct_and_gives_the_funct
         "    SEEN.append(prompt)\n"
         "    return {'12': 1.25, '7': 0.999, '8': 1.0}[response]\n"
     )
-    prompts = [SimpleNamespace(answer="a", text=t) for t in ("p0", "p1", "p2")]
+    prompts = [Prompt(0, t, "a") for t in ("p0", "p1", "p2")]
     acc = session_module.accuracy(tiny_hf.model, tok, [[1], [2], [3]], prompts, 4, f"{tmp_path}/r.py:score")
     assert acc == 2 / 3  # 1.25 and 1.0 are correct, 0.999 is not
     import sys
@@ -143,6 +144,23 @@ def test_accuracy_counts_a_reward_of_at_least_one_as_correct_and_gives_the_funct
     assert module.SEEN == ["p0", "p1", "p2"]
 
 
+def test_accuracy_gives_a_users_reward_each_prompts_extra_fields(tiny_hf, monkeypatch, tmp_path):
+    """Held-out answers of a dataset with `extra_fields` are scored with each prompt's own values (here the answers
+    a prompt accepts besides the reference)."""
+    from models.rewards import reward_function
+
+    tok = tiny_hf.tokenizer
+    outs = [tok(a, add_special_tokens=False)["input_ids"] for a in ("12", "7", "8")]
+    monkeypatch.setattr(session_module, "greedy_answers", lambda m, ids, **kw: outs)
+    (tmp_path / "r.py").write_text(
+        "def score(response, answer, accepted):\n    return float(response == answer or response in accepted)\n"
+    )
+    prompts = [Prompt(0, "p0", "x", {"accepted": ["12"]}), Prompt(1, "p1", "7", {"accepted": []})]
+    prompts.append(Prompt(2, "p2", "x", {"accepted": ["9"]}))
+    scorer = reward_function(f"{tmp_path}/r.py:score", fields=("accepted",))
+    assert session_module.accuracy(tiny_hf.model, tok, [[1], [2], [3]], prompts, 4, scorer) == 2 / 3
+
+
 def test_accuracy_ends_answers_at_a_newline_only_when_asked(tiny_hf, monkeypatch):
     tok, stops = tiny_hf.tokenizer, []
 
@@ -151,7 +169,7 @@ def test_accuracy_ends_answers_at_a_newline_only_when_asked(tiny_hf, monkeypatch
         return [tok("12", add_special_tokens=False)["input_ids"]]
 
     monkeypatch.setattr(session_module, "greedy_answers", greedy)
-    prompts = [SimpleNamespace(answer="12", text="7+5=")]
+    prompts = [Prompt(0, "7+5=", "12")]
     assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4) == 1.0
     tiny_hf.model.generation_config.eos_token_id = [tok.eos_token_id, 9]  # an end of the model's beside EOS
     assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4, "arithmetic", stop_at_newline=False) == 1.0

@@ -81,7 +81,7 @@ def test_a_shard_records_the_samples_under_the_version_held(worker, monkeypatch)
     version 2, and each field is the engine's sample (token versions as given, the reward scored on the answer)."""
     calls: list = []
     answers = _fake_engine(monkeypatch, worker.tokenizer, calls)
-    for _, _, answer, ids in worker.spec.prompts:
+    for _, _, answer, ids, _ in worker.spec.prompts:
         answers[tuple(ids)] = answer
     worker.id, worker.version = 3, 2
     info = worker.generate_chunk(Chunk(iteration=4, version=1, index=5, prompt_ids=(2, 0)))
@@ -93,7 +93,7 @@ def test_a_shard_records_the_samples_under_the_version_held(worker, monkeypatch)
     assert len(rows) == 8
     assert info["gen_tokens"] == sum(len(r.response_ids) for r in rows) == 4 * 2 + 4 * 2  # "3\n"/"1\n" and "x\n"
     for r in rows:
-        _, text, answer, pids = worker.spec.prompts[r.prompt_id]
+        _, text, answer, pids, _ = worker.spec.prompts[r.prompt_id]
         correct = r.sample_index % 2 == 0
         assert r.policy_version == 2 and r.worker == 3 and r.iteration == 4
         assert r.response_text == (answer if correct else "x") + "\n"
@@ -118,7 +118,7 @@ def test_a_users_reward_function_scores_each_sample_with_its_prompt(worker, monk
     )
     user = _Worker(3, replace(worker.spec, reward_kind=f"{path}:score"), queue.Queue(), os.getppid())
     answers = _fake_engine(monkeypatch, user.tokenizer, [])
-    for _, _, answer, ids in user.spec.prompts:
+    for _, _, answer, ids, _ in user.spec.prompts:
         answers[tuple(ids)] = answer
     user.version = 0
     info = user.generate_chunk(Chunk(iteration=0, version=0, index=0, prompt_ids=(4, 1)))
@@ -137,6 +137,28 @@ def test_a_users_reward_function_scores_each_sample_with_its_prompt(worker, monk
         f"task.reward '{path}:picky' raised KeyError: 'x\\n' (scoring the response 'x\\n' against the answer '3')"
     )
     assert not picky.lake.fs.glob(f"{picky.lake.run_dir('w')}/rollouts/*/iter-000001/*")
+
+
+def test_a_users_reward_function_receives_each_prompts_extra_fields(worker, monkeypatch, tmp_path):  # noqa: F811
+    """`task.dataset.extra_fields: [weight, tags]`: the function receives each prompt's own values as keyword
+    arguments of those names (a value as read: a number, a list), and the shard row's reward is what it returned."""
+    path = tmp_path / "weighted.py"
+    path.write_text(
+        "def score(response, answer, weight, tags):\n"
+        "    assert tags == ['t', weight]\n"
+        "    return weight * (response.strip() == answer)\n"
+    )
+    prompts = [(p, t, a, ids, {"weight": p + 1, "tags": ["t", p + 1]}) for p, t, a, ids, _ in worker.spec.prompts]
+    spec = replace(worker.spec, reward_kind=f"{path}:score", prompts=prompts, reward_fields=("weight", "tags"))
+    user = _Worker(3, spec, queue.Queue(), os.getppid())
+    answers = _fake_engine(monkeypatch, user.tokenizer, [])
+    for _, _, answer, ids, _ in prompts:
+        answers[tuple(ids)] = answer
+    user.version = 0
+    info = user.generate_chunk(Chunk(iteration=0, version=0, index=0, prompt_ids=(4, 1)))
+    rows = table_to_records(read_shard(user.lake, info["path"], info["checksum"]))
+    # even samples answer correctly (fake engine): prompt 4 scores 5, prompt 1 scores 2, odd samples 0
+    assert [(r.prompt_id, r.reward) for r in rows] == [(p, (p + 1.0) * (j % 2 == 0)) for p in (4, 1) for j in range(4)]
 
 
 def test_an_interrupted_chunk_records_each_tokens_version(worker):  # noqa: F811

@@ -30,7 +30,7 @@ def worker(tmp_path) -> _Worker:
         len(tok), seed=0, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64
     )
     model_dir = save_hf(model, tok, tmp_path / "v0")
-    prompts = [(i, f"{i}+1=", str(i + 1), tok(f"{i}+1=", add_special_tokens=False)["input_ids"]) for i in range(6)]
+    prompts = [(i, f"{i}+1=", str(i + 1), tok(f"{i}+1=", add_special_tokens=False)["input_ids"], {}) for i in range(6)]
     spec = WorkerSpec(
         lake_uri=str(tmp_path / "lake"),
         run_id="w",

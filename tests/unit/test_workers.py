@@ -158,7 +158,7 @@ from transformers import AutoTokenizer
 from tasks.workers import Chunk, WorkerPool, WorkerSpec
 model_dir, lake = sys.argv[1], sys.argv[2]
 tok = AutoTokenizer.from_pretrained(model_dir)
-prompts = [(i, f"{i}+1=", str(i + 1), tok(f"{i}+1=", add_special_tokens=False)["input_ids"]) for i in range(8)]
+prompts = [(i, f"{i}+1=", str(i + 1), tok(f"{i}+1=", add_special_tokens=False)["input_ids"], {}) for i in range(8)]
 spec = WorkerSpec(lake_uri=lake, run_id="orphan", model_dir=model_dir, threads=1, run_seed=0, group_size=2,
                   max_new_tokens=8, temperature=1.0, top_p=1.0, partial_credit=0.0, compression=None,
                   reward_kind="arithmetic", prompts=prompts)
