@@ -199,6 +199,14 @@ class TaskSection(_Section):
         "takes it, and dataset.extra_fields by name) for a float; held-out accuracy counts a reward >= 1.0 as "
         "correct. A relative FILE is read from the working directory (the run keeps its absolute path).",
     )
+    reward_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="Seconds one call of your own task.reward may take: a call still running then fails the "
+        "iteration, naming the response it was scoring (null: no limit). The function then runs on a thread of its "
+        "own: it may not set signal handlers (math-verify's own time limit does: pass it timeout None).",
+    )
     max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")
     n_shots: int = Field(8, ge=0, le=64, description="Solved examples in each prompt (makes prompts long).")
@@ -226,6 +234,15 @@ class TaskSection(_Section):
         from models.rewards import absolute_spec
 
         return absolute_spec(reward)  # ValueError (the forms to give) for anything else
+
+    def reward_settings(self) -> dict:
+        """`models.rewards.reward_function`'s arguments for this task's reward."""
+        return {
+            "kind": self.reward,
+            "partial_credit": self.partial_credit,
+            "fields": self.reward_fields(),
+            "timeout_s": self.reward_timeout_s,
+        }
 
     def reward_fields(self) -> tuple[str, ...]:
         """The names of the dataset fields `reward` receives as keyword arguments (`dataset.extra_fields`)."""
@@ -480,9 +497,7 @@ class Config(_Section):
                 "task.dataset is set but task.kind is 'arithmetic', which would ignore it: set "
                 "task.kind: dataset, or remove the task.dataset section"
             )
-        from models.rewards import BUILTIN_REWARDS
-
-        if self.task.reward_fields() and self.task.reward in BUILTIN_REWARDS:
+        if self.task.reward_fields() and _builtin_reward(self):
             raise ValueError(
                 f"task.dataset.extra_fields {list(self.task.reward_fields())} are passed to your own task.reward "
                 f"function, and task.reward is the built-in {self.task.reward!r}, which takes none: set task.reward "
@@ -831,6 +846,15 @@ _INERT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[Config], str | None]],
     ),
     (
         "task",
+        ("reward_timeout_s",),  # models.rewards: only a user's function is called under the limit
+        lambda c: (
+            f"task.reward is the built-in {c.task.reward!r}, which is not called under a time limit"
+            if _builtin_reward(c)
+            else None
+        ),
+    ),
+    (
+        "task",
         ("split_seed",),  # tasks.session._dataset_prompts
         lambda c: (
             "task.dataset.eval_uri is set: the held-out prompts are its rows, not a split of task.dataset.uri"
@@ -848,6 +872,12 @@ _INERT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[Config], str | None]],
         ),
     ),
 )
+
+
+def _builtin_reward(config: Config) -> bool:
+    from models.rewards import BUILTIN_REWARDS
+
+    return config.task.reward in BUILTIN_REWARDS
 
 
 def inert_settings(config: Config) -> list[str]:

@@ -78,7 +78,7 @@ def evaluate_versions(
         model.set_attn_implementation(kernel)  # as the run's trainer, whose model the run evaluated
         model.to(device)
         _, _, prompts, token_ids = task_prompts(cfg, tokenizer)
-        scorer = reward_function(cfg.task.reward, fields=cfg.task.reward_fields())  # loaded once for every version
+        scorer = reward_function(**cfg.task.reward_settings())  # loaded once for every version
         on_progress(
             {
                 "event": "start",

@@ -134,7 +134,7 @@ def check_reward(cfg: Config, resumed: bool = False):
             "it) back at that path"
         )
     try:
-        return reward_function(kind, cfg.task.partial_credit, cfg.task.reward_fields())
+        return reward_function(**cfg.task.reward_settings())
     except RewardError as e:
         raise InputError(str(e)) from None
 

@@ -366,9 +366,12 @@ def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
 
 
 def bootstrap_key(cfg: Config) -> str:
-    task = cfg.task.model_dump(mode="json")
-    if task["dataset"] is not None and not task["dataset"]["extra_fields"]:  # a field added after v0s were cached:
-        del task["dataset"]["extra_fields"]  # without any, the key of the runs before it (their resume finds its v0)
+    # fields added after v0s were cached are left out where v0 does not depend on them, so that a run from before them
+    # finds its v0 on resume: a reward's time limit never changes v0; extra fields do once listed (the rows kept, the
+    # target-accuracy check's scores)
+    task = cfg.task.model_dump(mode="json", exclude={"reward_timeout_s"})
+    if task["dataset"] is not None and not task["dataset"]["extra_fields"]:
+        del task["dataset"]["extra_fields"]
     key = {
         "model": cfg.model.model_dump(mode="json"),
         "task": task,
@@ -413,7 +416,7 @@ def bootstrap_v0(cfg: Config, lake: Lake, on_progress=None) -> tuple[str, bool]:
     if b.target_accuracy is not None:  # checked on training prompts: the held-out split stays unseen
         check = list(range(min(b.check_prompts, len(train_prompts))))
         # loaded once: an edit of a user's file mid-bootstrap is not seen
-        scorer = reward_function(cfg.task.reward, fields=cfg.task.reward_fields())
+        scorer = reward_function(**cfg.task.reward_settings())
 
         def stop_when(step: int) -> bool:
             acc = accuracy(
@@ -693,6 +696,7 @@ def _open_with_trainer(
         },
         prompts=[(p.prompt_id, p.text, p.answer, i, p.extra) for p, i in zip(train_prompts, train_ids)],
         reward_fields=cfg.task.reward_fields(),
+        reward_timeout_s=cfg.task.reward_timeout_s,
     )
     with contextlib.ExitStack() as undo:  # a failure from here (MLflow unreachable, no shared memory) must not leave
         # the workers, an MLflow run marked running or a shared-memory file behind

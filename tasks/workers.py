@@ -58,6 +58,7 @@ class WorkerSpec:
     stop_at_newline: bool = True  # a response also ends at a newline token (`task.stop_at_newline`)
     vllm: dict = field(default_factory=dict)  # VLLMEngine keyword arguments
     reward_fields: tuple[str, ...] = ()  # `task.dataset.extra_fields`, which the reward function receives
+    reward_timeout_s: float | None = None  # `task.reward_timeout_s`: the limit of one call of a user's function
 
 
 _MAPPED: dict[str, object] = {}  # SharedWeights file -> this process's mapping of it (a uint8 tensor)
@@ -235,9 +236,9 @@ class _Worker:
 
         self.id, self.spec, self.commands, self.parent = worker_id, spec, commands, parent
         self.lake = Lake(spec.lake_uri)
-        self.reward = reward_function(
-            spec.reward_kind, spec.partial_credit, spec.reward_fields
-        )  # a user's: imported in this process
+        self.reward = reward_function(  # a user's: imported in this process
+            spec.reward_kind, spec.partial_credit, spec.reward_fields, spec.reward_timeout_s
+        )
         self.vllm = None
         if spec.engine == "vllm":
             from transformers import AutoTokenizer

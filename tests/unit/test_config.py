@@ -1114,3 +1114,19 @@ def test_extra_fields_name_keyword_arguments_of_a_users_reward_only():
     ]:
         message = load_error(None, [*dataset, "task.reward=mod:f", f"task.dataset.extra_fields={given}"])
         assert "task.dataset.extra_fields" in message and words in message, message
+
+
+def test_a_reward_time_limit_is_positive_and_named_inert_for_a_builtin_reward():
+    from configs.schema import inert_settings
+
+    cfg = load_config(None, ["task.reward=mod:f", "task.reward_timeout_s=2.5"])
+    assert cfg.task.reward_settings() == {"kind": "mod:f", "partial_credit": 0.5, "fields": (), "timeout_s": 2.5}
+    assert load_config(None, []).task.reward_settings()["timeout_s"] is None
+    assert "task.reward_timeout_s" in load_error(None, ["task.reward=mod:f", "task.reward_timeout_s=0"])
+    assert "less than or equal to 86400" in load_error(None, ["task.reward=mod:f", "task.reward_timeout_s=1e10"])
+    notes = inert_settings(load_config(None, ["task.reward_timeout_s=1"]))
+    assert notes == [
+        "task.reward_timeout_s is set but has no effect: task.reward is the built-in 'arithmetic', which is not "
+        "called under a time limit"
+    ]
+    assert inert_settings(cfg) == []  # a user's function: the limit applies

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -372,3 +373,60 @@ def test_each_call_gets_its_own_copy_of_the_extra_fields_and_a_builtin_takes_non
         RewardError, match=r"^task.reward 'math_verify' is built in and takes no extra fields \(tests\)$"
     ):
         reward_function("math_verify", fields=("tests",))
+
+
+def test_a_call_over_the_time_limit_fails_naming_the_limit_and_the_response_and_the_next_call_runs(tmp_path):
+    """`task.reward_timeout_s`: a call still running when the limit runs out is a RewardError at once (not when the
+    call ends), with the limit and the response; a later call runs on a thread of its own (the stuck one is left);
+    within the limit the function's value and its own errors come through as without one."""
+    path = _write(
+        tmp_path,
+        "import time\n"
+        "def slow(response, answer):\n    time.sleep(float(response))\n    return 1.0\n"
+        "def picky(response, answer):\n    return {'a': 0.5}[response]\n",
+    )
+    score = reward_function(f"{path}:slow", timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(RewardError) as e:
+        score("30", "x")
+    assert time.monotonic() - started < 10.0  # the wait ends at the limit, not with the call 30 s later
+    assert str(e.value) == (
+        f"task.reward '{path}:slow' gave no value within task.reward_timeout_s=1 s (scoring the response '30' "
+        "against the answer 'x'); the call runs on in this process, as Python cannot stop it: have the function "
+        "limit what it runs, or raise the limit"
+    )
+    assert score("0.01", "x") == 1.0  # a fresh thread: not queued behind the stuck call
+    picky = reward_function(f"{path}:picky", timeout_s=5)
+    assert picky("a", "x") == 0.5
+    with pytest.raises(RewardError, match=r"raised KeyError: 'b' \(scoring the response 'b'") as e:
+        picky("b", "x")
+    assert isinstance(e.value.__cause__, KeyError)  # the function's own exception, chained as without a limit
+
+
+def test_a_call_abandoned_at_its_limit_ends_its_thread_once_it_returns_and_signals_are_the_main_threads():
+    """The thread of a call that ran out of time exits once that call returns (it waited for more work, for the
+    life of the process, before); a function under a limit runs off the main thread, where Python refuses to set a
+    signal handler (as math-verify's own time limit does): said as that function's error."""
+    import threading
+
+    from models.rewards import _Limited, _Overran
+
+    def ours() -> list:
+        return [t for t in threading.enumerate() if t.name == "lockstep-reward"]
+
+    before = len(ours())
+    slow = _Limited(lambda: time.sleep(1.0), 0.1)
+    with pytest.raises(_Overran):
+        slow()
+    assert len(ours()) == before + 1
+    deadline = time.monotonic() + 10
+    while len(ours()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(ours()) == before
+    assert _Limited(lambda x: x + 1, 5)(1) == 2  # and a fresh thread serves the next call
+
+    import signal
+
+    sets_handler = _Limited(lambda: signal.signal(signal.SIGALRM, signal.SIG_DFL), 5)
+    with pytest.raises(ValueError, match="main thread"):
+        sets_handler()

@@ -139,6 +139,25 @@ def test_a_users_reward_function_scores_each_sample_with_its_prompt(worker, monk
     assert not picky.lake.fs.glob(f"{picky.lake.run_dir('w')}/rollouts/*/iter-000001/*")
 
 
+def test_a_users_reward_function_over_its_time_limit_fails_the_chunk(worker, monkeypatch, tmp_path):  # noqa: F811
+    """`task.reward_timeout_s` reaches the worker: a call that has not returned by then fails the chunk at once,
+    naming the limit and the response, and no shard is published."""
+    from models.rewards import RewardError
+
+    path = tmp_path / "stuck.py"
+    path.write_text("import threading\ndef score(response, answer):\n    threading.Event().wait()\n")
+    stuck = _Worker(
+        3, replace(worker.spec, reward_kind=f"{path}:score", reward_timeout_s=0.2), queue.Queue(), os.getppid()
+    )
+    answers = _fake_engine(monkeypatch, stuck.tokenizer, [])
+    for _, _, answer, ids, _ in stuck.spec.prompts:
+        answers[tuple(ids)] = answer
+    stuck.version = 0
+    with pytest.raises(RewardError, match=r"gave no value within task.reward_timeout_s=0.2 s \(scoring the response"):
+        stuck.generate_chunk(Chunk(iteration=2, version=0, index=0, prompt_ids=(2,)))
+    assert not stuck.lake.fs.glob(f"{stuck.lake.run_dir('w')}/rollouts/*/iter-000002/*")
+
+
 def test_a_users_reward_function_receives_each_prompts_extra_fields(worker, monkeypatch, tmp_path):  # noqa: F811
     """`task.dataset.extra_fields: [weight, tags]`: the function receives each prompt's own values as keyword
     arguments of those names (a value as read: a number, a list), and the shard row's reward is what it returned."""
