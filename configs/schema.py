@@ -153,7 +153,8 @@ class DatasetSection(_Section):
     extra_fields: list[str] = Field(
         default_factory=list,
         description="More fields of each row that your own task.reward receives as keyword arguments of the same "
-        "names, as read (e.g. a list of test cases, a problem's metadata); a row without one is skipped.",
+        "names, as read (e.g. a list of test cases, a problem's metadata); a row without one is a bad row "
+        "(data.on_bad_row).",
     )
 
     @field_validator("extra_fields")
@@ -203,9 +204,9 @@ class TaskSection(_Section):
         None,
         gt=0,
         le=86_400,
-        description="Seconds one call of your own task.reward may take: a call still running then fails the "
-        "iteration, naming the response it was scoring (null: no limit). The function then runs on a thread of its "
-        "own: it may not set signal handlers (math-verify's own time limit does: pass it timeout None).",
+        description="Seconds one call of your own task.reward may take: a call still running then fails the run, "
+        "naming the response it was scoring (null: no limit). The function then runs on a thread of its own: it may "
+        "not set signal handlers (math-verify's time limits do: pass parsing_timeout=None, timeout_seconds=None).",
     )
     max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")

@@ -508,7 +508,7 @@ def evaluate(session: RunSession) -> float:
         session.eval_token_ids,
         session.eval_prompts,
         session.cfg.eval.max_new_tokens,
-        session.scorer or session.cfg.task.reward,
+        session.scorer or reward_function(**session.cfg.task.reward_settings()),
         session.cfg.task.newline_stop(),
     )
 

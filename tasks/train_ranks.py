@@ -536,7 +536,7 @@ class DataParallelTrainer(PolicyTrainer):
             for rank, proc in enumerate(self._procs, start=1):
                 proc.join(timeout=1.0)
                 if not proc.is_alive():
-                    raise self._died(rank, f" during {what}: {(str(e) or type(e).__name__).splitlines()[0]}") from e
+                    raise self._died(rank, f" during {what}: {error_line(e)}") from e
             raise
 
     def _stop_ranks(self, wait_s: float = 10.0) -> None:

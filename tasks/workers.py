@@ -520,14 +520,16 @@ def resident_mb(pid: int | None = None) -> float | None:
 def ended(exitcode: int | None) -> str:
     """How a child process ended, for an error line: its exit code and, when a signal ended it, which one, with the
     cause to look for when it is SIGKILL (which the kernel's out-of-memory killer sends) or a crash in native code."""
-    if exitcode is None or exitcode >= 0:
+    if exitcode is None:  # asked before the process was reaped
+        return "no exit code yet"
+    if exitcode >= 0:
         return f"exit code {exitcode}"
     try:
         name = signal.Signals(-exitcode).name
     except ValueError:
         return f"exit code {exitcode}"
     why = {
-        signal.SIGKILL: ": killed, by the kernel's out-of-memory killer (see `dmesg`) or another process",
+        signal.SIGKILL: ": killed by the kernel's out-of-memory killer (see `dmesg`) or by another process",
         signal.SIGSEGV: ": a crash in native code",
         signal.SIGBUS: ": a crash in native code (or a shared-memory file cut short)",
         signal.SIGABRT: ": aborted by native code",
@@ -678,6 +680,7 @@ class WorkerPool:
         return msg
 
     def _died(self, w: int) -> str:
+        """Record worker `w`, gone without a message, as the pool's failure: which one, its pid, how it ended."""
         self.failed = f"rollout worker {w} (pid {self.procs[w].pid}) died ({ended(self.procs[w].exitcode)})"
         return self.failed
 
@@ -685,7 +688,7 @@ class WorkerPool:
         return self.failed is None and all(p.is_alive() for p in self.procs)
 
     def failure(self) -> str:
-        """Why the pool is not `alive`: the error a worker sent, else which worker died and how."""
+        """Why the pool is not `alive` (asked only then): the error a worker sent, else which worker died and how."""
         if self.failed is None:
             self._died(next(w for w, p in enumerate(self.procs) if not p.is_alive()))
         return self.failed

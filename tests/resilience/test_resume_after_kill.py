@@ -160,7 +160,7 @@ def test_kill_and_resume_equals_uninterrupted(reference, fault, exit_code, api):
         assert log.rstrip().endswith(f"`lockstep resume {run_id} --lake {tmp / 'lake'}`"), log[-3000:]
         # which worker, and how it ended: the failpoint SIGKILLs it, as the kernel's out-of-memory killer would
         line = rf"error: run {run_id} failed: WorkerError: rollout worker \d \(pid \d+\) died \(exit code -9, SIGKILL: "
-        assert re.search(line + r"killed, by the kernel's out-of-memory killer \(see `dmesg`\)", log), log[-3000:]
+        assert re.search(line + r"killed by the kernel's out-of-memory killer \(see `dmesg`\)", log), log[-3000:]
     lake_uri = str(tmp / "lake")
     lake = Lake(lake_uri)
     assert ledger.read_record(lake, run_id, ITERS - 1) is None or ledger.read_all(lake, run_id)[-1]["state"] != (

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 import signal
 
 import pytest
@@ -16,6 +17,9 @@ import torch
 from models.tiny import build_tiny_model
 from models.trainer import LossSettings, PolicyTrainer, RolloutGroup
 from tasks.train_ranks import DataParallelTrainer, TrainRankError, split_groups
+from tasks.workers import ended
+
+KILLED = re.escape(f"({ended(-9)})")  # how a SIGKILLed rank is said to have ended
 
 torch.set_num_threads(1)
 
@@ -145,9 +149,7 @@ def test_a_rank_that_dies_is_named_and_the_trainer_closes():
         proc = two._procs[0]
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(timeout=10)
-        with pytest.raises(
-            TrainRankError, match=r"^trainer rank 1 \(pid \d+\) died \(exit code -9, SIGKILL: killed, .*process\)$"
-        ):
+        with pytest.raises(TrainRankError, match=r"^trainer rank 1 \(pid \d+\) died " + KILLED + r"$"):
             two.optimizer_step()
         with pytest.raises(TrainRankError, match=r"cannot go on: trainer rank 1 \(pid \d+\) died"):
             two.micro_step([_group(3)])
@@ -177,7 +179,7 @@ def test_a_rank_that_dies_inside_the_gradient_sum_is_named(monkeypatch):
         two.micro_step([_group(1), _group(2)])
         with pytest.raises(
             TrainRankError,
-            match=r"^trainer rank 1 \(pid \d+\) died \(exit code -9, SIGKILL: killed, .*process\) during the gradient sum(: [^\n]*closed[^\n]*)?$",
+            match=r"^trainer rank 1 \(pid \d+\) died " + KILLED + r" during the gradient sum(: [^\n]*closed[^\n]*)?$",
         ):
             two.optimizer_step()
         with pytest.raises(TrainRankError, match="cannot go on: trainer rank 1 .* during the gradient sum"):

@@ -393,7 +393,7 @@ def test_a_call_over_the_time_limit_fails_naming_the_limit_and_the_response_and_
     assert str(e.value) == (
         f"task.reward '{path}:slow' gave no value within task.reward_timeout_s=1 s (scoring the response '30' "
         "against the answer 'x'); the call runs on in this process, as Python cannot stop it: have the function "
-        "limit what it runs, or raise the limit"
+        "limit what it runs (a resume imports the edited file again), or start a new run with a higher limit"
     )
     assert score("0.01", "x") == 1.0  # a fresh thread: not queued behind the stuck call
     picky = reward_function(f"{path}:picky", timeout_s=5)

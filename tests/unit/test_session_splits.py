@@ -94,7 +94,9 @@ def test_evaluate_scores_the_held_out_prompts_at_the_eval_token_budget(monkeypat
         scorer=None,
     )
     assert session_module.evaluate(s) == 0.75
-    assert calls == [("model", "tok", [[2]], ["held-out"], 7, "math_verify", False)]
+    (call,) = calls  # without the session's scorer, one built from the task's reward settings
+    assert call[:5] + call[6:] == ("model", "tok", [[2]], ["held-out"], 7, False)
+    assert call[5]("\\boxed{72}", "72.0") == 1.0 and call[5]("71", "72") == 0.0  # math_verify's equality
     s.scorer = loaded = lambda response, answer, prompt="": 1.0  # the session's, loaded once at its start
     assert session_module.evaluate(s) == 0.75
     assert calls[-1] == ("model", "tok", [[2]], ["held-out"], 7, loaded, False)

@@ -544,8 +544,8 @@ def test_the_pools_failure_names_the_dead_worker_or_keeps_the_error_a_worker_sen
     dead.exitcode = -9
     pool = _pool([_Alive(), dead], [None, None])
     assert pool.failure() == (
-        "rollout worker 1 (pid 4321) died (exit code -9, SIGKILL: killed, by the kernel's out-of-memory killer "
-        "(see `dmesg`) or another process)"
+        "rollout worker 1 (pid 4321) died (exit code -9, SIGKILL: killed by the kernel's out-of-memory killer "
+        "(see `dmesg`) or by another process)"
     )
     assert pool.failed == pool.failure()
     pool = _pool([_Alive()], [_filled(("error", "Traceback: boom"))])
@@ -559,7 +559,9 @@ def test_the_pools_failure_names_the_dead_worker_or_keeps_the_error_a_worker_sen
     [
         (0, "exit code 0"),
         (3, "exit code 3"),
-        (None, "exit code None"),
+        (None, "no exit code yet"),
+        (-7, "exit code -7, SIGBUS: a crash in native code (or a shared-memory file cut short)"),
+        (-6, "exit code -6, SIGABRT: aborted by native code"),
         (-11, "exit code -11, SIGSEGV: a crash in native code"),
         (-15, "exit code -15, SIGTERM"),
         (-200, "exit code -200"),  # no such signal
