@@ -201,9 +201,11 @@ def _user_scorer(
 
     def scorer(response: str, answer: str, prompt: str = "", **extra) -> float:
         try:
-            if extra:  # a copy per call: a function that changes its argument does not change the next sample's
-                extra = copy.deepcopy(extra)
-            value = call(response, answer, prompt=prompt, **extra) if takes_prompt else call(response, answer, **extra)
+            # a copy per call: a function that changes its argument does not change the next sample's
+            kwargs = copy.deepcopy(extra) if extra else {}
+            if takes_prompt:
+                kwargs["prompt"] = prompt
+            value = call(response, answer, **kwargs)
         except _Overran:
             raise RewardError(
                 f"task.reward {kind!r} gave no value within task.reward_timeout_s={timeout_s:g} s (scoring the "

@@ -4,8 +4,8 @@ Each usable row becomes a `PromptRecord` (stable id = its row number in the sour
 answer, and the values of the extra fields a user's reward function receives). GSM8K-style answers
 (`... #### 72`) are reduced to the final answer after `####`.
 Rows that cannot be used — a missing or non-string field, an empty question, invalid UTF-8, a prompt longer
-than the limit, a line that is not JSON, a missing extra field — are skipped and counted (`on_bad_row="skip"`) or stop the load with
-the source, the row and the reason (`on_bad_row="fail"`).
+than the limit, a line that is not JSON, a missing extra field — are skipped and counted (`on_bad_row="skip"`) or
+stop the load with the source, the row and the reason (`on_bad_row="fail"`).
 """
 
 from __future__ import annotations

@@ -475,12 +475,12 @@ def accuracy(
     token_ids: list[list[int]],
     prompts: list[arithmetic.Prompt],
     max_new_tokens: int,
-    reward: str | Scorer = "arithmetic",
+    reward: Scorer | None = None,
     stop_at_newline: bool = True,
 ) -> float:
-    """Fraction of greedy answers the task's reward (a `task.reward` kind, or its scorer loaded once by the caller)
-    scores as correct, a reward of at least 1.0 (exact match for arithmetic); an answer ends at EOS, and at a newline
-    token with `stop_at_newline`."""
+    """Fraction of greedy answers the task's reward (its scorer, loaded once by the caller with the task's reward
+    settings; None: arithmetic) scores as correct, a reward of at least 1.0 (exact match for arithmetic); an answer
+    ends at EOS, and at a newline token with `stop_at_newline`."""
     was_training = model.training
     outs = greedy_answers(
         model,
@@ -492,7 +492,7 @@ def accuracy(
         other_eos_ids=other_eos_ids(getattr(model, "generation_config", None), tok),
     )
     model.train(was_training)
-    score = reward_function(reward) if isinstance(reward, str) else reward
+    score = reward or reward_function("arithmetic")
     hits = sum(
         score(tok.decode(o, skip_special_tokens=True), p.answer, p.text, **p.extra) >= 1.0
         for o, p in zip(outs, prompts)

@@ -402,7 +402,8 @@ class DataParallelTrainer(PolicyTrainer):
     def _print(self) -> list[tuple[int, int]]:
         """Where the policy's and proximal model's weights live and how often they were changed in place: differs
         once anything (a restore, a bootstrap: `load_state_dict`, `copy_`) has written them since the last sync or
-        sharded step; looked at as a batch starts. Writes that bypass autograd's version counter (`p.data.copy_`, numpy views) are not seen."""
+        sharded step; looked at as a batch starts. Writes that bypass autograd's version counter (`p.data.copy_`, numpy
+        views) are not seen."""
         if self.shard is not None and any(
             a is not b for a, b in zip(self.shard.params, self.model.parameters(), strict=True)
         ):

@@ -142,7 +142,7 @@ def test_answers_are_taken_in_eval_mode_and_the_callers_mode_is_given_back(tiny_
     modes: list[bool] = []
     tiny_hf.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
     tiny_hf.model.train()
-    tasks.session.accuracy(tiny_hf.model, tiny_hf.tokenizer, ids, prompts, 3, cfg.task.reward, True)
+    tasks.session.accuracy(tiny_hf.model, tiny_hf.tokenizer, ids, prompts, 3, None, True)
     assert modes and not any(modes)
     assert tiny_hf.model.training
 

@@ -15,6 +15,7 @@ import torch
 
 from configs.schema import load_config
 from models.arithmetic import Prompt
+from models.rewards import reward_function
 from models.tiny import build_char_tokenizer
 from storage.lake import Lake
 from tasks import session as session_module
@@ -134,7 +135,9 @@ def test_accuracy_counts_a_reward_of_at_least_one_as_correct_and_gives_the_funct
         "    return {'12': 1.25, '7': 0.999, '8': 1.0}[response]\n"
     )
     prompts = [Prompt(0, t, "a") for t in ("p0", "p1", "p2")]
-    acc = session_module.accuracy(tiny_hf.model, tok, [[1], [2], [3]], prompts, 4, f"{tmp_path}/r.py:score")
+    acc = session_module.accuracy(
+        tiny_hf.model, tok, [[1], [2], [3]], prompts, 4, reward_function(f"{tmp_path}/r.py:score")
+    )
     assert acc == 2 / 3  # 1.25 and 1.0 are correct, 0.999 is not
     import sys
 
@@ -149,7 +152,6 @@ def test_accuracy_counts_a_reward_of_at_least_one_as_correct_and_gives_the_funct
 def test_accuracy_gives_a_users_reward_each_prompts_extra_fields(tiny_hf, monkeypatch, tmp_path):
     """Held-out answers of a dataset with `extra_fields` are scored with each prompt's own values (here the answers
     a prompt accepts besides the reference)."""
-    from models.rewards import reward_function
 
     tok = tiny_hf.tokenizer
     outs = [tok(a, add_special_tokens=False)["input_ids"] for a in ("12", "7", "8")]
@@ -174,7 +176,7 @@ def test_accuracy_ends_answers_at_a_newline_only_when_asked(tiny_hf, monkeypatch
     prompts = [Prompt(0, "7+5=", "12")]
     assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4) == 1.0
     tiny_hf.model.generation_config.eos_token_id = [tok.eos_token_id, 9]  # an end of the model's beside EOS
-    assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4, "arithmetic", stop_at_newline=False) == 1.0
+    assert session_module.accuracy(tiny_hf.model, tok, [[1]], prompts, 4, None, stop_at_newline=False) == 1.0
     assert stops == [(tok("\n", add_special_tokens=False)["input_ids"][0], ()), (None, (9,))]
 
 
