@@ -208,6 +208,12 @@ class TaskSection(_Section):
         "naming the response it was scoring (null: no limit). The function then runs on a thread of its own: it may "
         "not set signal handlers (math-verify's time limits do: pass parsing_timeout=None, timeout_seconds=None).",
     )
+    reward_batch: bool = Field(
+        False,
+        description="Call your own task.reward once for a list of responses (a shard's in rollouts, all held-out "
+        "answers in evaluation), as f(responses, answers) (and prompts= if it takes it, and dataset.extra_fields by "
+        "name, each a list), returning one float per response: for a reward model or a remote judge.",
+    )
     max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")
     n_shots: int = Field(8, ge=0, le=64, description="Solved examples in each prompt (makes prompts long).")
@@ -243,6 +249,7 @@ class TaskSection(_Section):
             "partial_credit": self.partial_credit,
             "fields": self.reward_fields(),
             "timeout_s": self.reward_timeout_s,
+            "batch": self.reward_batch,
         }
 
     def reward_fields(self) -> tuple[str, ...]:
@@ -503,6 +510,12 @@ class Config(_Section):
                 f"task.dataset.extra_fields {list(self.task.reward_fields())} are passed to your own task.reward "
                 f"function, and task.reward is the built-in {self.task.reward!r}, which takes none: set task.reward "
                 "to FILE.py:FUNCTION, or remove extra_fields"
+            )
+        if self.task.reward_batch and _builtin_reward(self):
+            raise ValueError(
+                f"task.reward_batch calls your own task.reward function with lists, and task.reward is the built-in "
+                f"{self.task.reward!r}, which scores one response at a time: set task.reward to FILE.py:FUNCTION, or "
+                "remove reward_batch"
             )
         if len(set(self.task.ops)) < len(self.task.ops):  # a problem listed twice could be both trained and held out
             raise ValueError(f"task.ops {self.task.ops} lists an operator twice: give each once")

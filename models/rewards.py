@@ -4,9 +4,12 @@
 `MODULE:FUNCTION` (an importable module, e.g. an installed package's). A user's function is called as
 `fn(response, answer)`, with `prompt=` added when it declares a `prompt` parameter (or `**kwargs`), and each of a
 dataset's `extra_fields` as a keyword argument of its name (a copy per call); it returns a finite real number (a bool
-counts as 0 / 1). It runs in every rollout worker process (spawned: each imports it
-itself) and in the trainer's process for held-out accuracy, where a greedy answer counts as correct when its
-reward is at least 1.0.
+counts as 0 / 1). With `batch` (`task.reward_batch`) it scores a list of responses in one call instead:
+`fn(responses, answers)`, with `prompts=` and each extra field as lists of the same length, returning one such number
+per response (a list, a tuple, a 1-d NumPy array or tensor), as a reward model or a remote judge would. It runs in
+every rollout worker process (spawned: each imports it itself; one call per shard's responses when batched) and in
+the trainer's process for held-out accuracy (one call for all the answers when batched), where a greedy answer
+counts as correct when its reward is at least 1.0.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from pathlib import Path
 from models import arithmetic
 
 BUILTIN_REWARDS = ("arithmetic", "math_verify")
-Scorer = Callable[..., float]  # (response, answer, prompt="", **extra fields) -> reward
 RESERVED = ("response", "answer", "prompt")  # the arguments every reward function may receive: no extra field's name
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 FORMS = "'arithmetic', 'math_verify', FILE.py:FUNCTION or MODULE:FUNCTION"
@@ -37,6 +39,27 @@ FORMS = "'arithmetic', 'math_verify', FILE.py:FUNCTION or MODULE:FUNCTION"
 
 class RewardError(ValueError):
     """A user's reward function that cannot be loaded, raised, or returned something that is not a reward."""
+
+
+class Scorer:
+    """A task's reward, loaded: `scorer(response, answer, prompt="", **extra)` scores one response,
+    `scorer.many(responses, answers, prompts, extras)` a list of them (`extras`: each response's extra fields, a dict
+    per response). Made from a function that scores one response (`one`, called in turn) or a list (`many`, called
+    once, for a batched user's function); each serves both calls."""
+
+    def __init__(self, one: Callable[..., float] | None = None, many: Callable[..., list[float]] | None = None):
+        assert (one is None) != (many is None), "give one form"
+        self._one, self._many = one, many
+
+    def __call__(self, response: str, answer: str, prompt: str = "", **extra) -> float:
+        if self._one is not None:
+            return self._one(response, answer, prompt, **extra)
+        return self._many([response], [answer], [prompt], [extra])[0]
+
+    def many(self, responses: list[str], answers: list[str], prompts: list[str], extras: list[dict]) -> list[float]:
+        if self._many is not None:
+            return self._many(responses, answers, prompts, extras) if responses else []
+        return [self._one(r, a, p, **e) for r, a, p, e in zip(responses, answers, prompts, extras, strict=True)]
 
 
 def function_spec(kind: str) -> tuple[str, str] | None:
@@ -66,26 +89,32 @@ def absolute_spec(kind: str) -> str:
 
 
 def reward_function(
-    kind: str, partial_credit: float = 0.0, fields: tuple[str, ...] = (), timeout_s: float | None = None
+    kind: str,
+    partial_credit: float = 0.0,
+    fields: tuple[str, ...] = (),
+    timeout_s: float | None = None,
+    batch: bool = False,
 ) -> Scorer:
-    """The scorer `kind` names, called as `scorer(response, answer, prompt="", **extra)`: `arithmetic` (exact match
-    plus `partial_credit` x per-digit credit), `math_verify` (symbolic equality of the final answer), or a user's
-    function (loaded and checked here, to take the keyword arguments `fields` too; RewardError says what is wrong;
-    with `timeout_s`, a call that has not returned after that many seconds is one). `extra` holds a prompt's values
-    of `fields` (none for a built-in kind, which takes none)."""
+    """The scorer `kind` names: `arithmetic` (exact match plus `partial_credit` x per-digit credit), `math_verify`
+    (symbolic equality of the final answer), or a user's function (loaded and checked here, to take the keyword
+    arguments `fields` too, and with `batch` to score lists; RewardError says what is wrong; with `timeout_s`, a call
+    that has not returned after that many seconds is one). A response's `extra` holds its prompt's values of `fields`
+    (none for a built-in kind, which takes none and scores one response at a time)."""
     if kind in BUILTIN_REWARDS and fields:
         raise RewardError(f"task.reward {kind!r} is built in and takes no extra fields ({', '.join(fields)})")
+    if kind in BUILTIN_REWARDS and batch:
+        raise RewardError(f"task.reward {kind!r} is built in and scores one response at a time (task.reward_batch)")
     if kind == "arithmetic":
-        return lambda response, answer, prompt="": arithmetic.reward(response, answer, partial_credit)
+        return Scorer(lambda response, answer, prompt="": arithmetic.reward(response, answer, partial_credit))
     if kind == "math_verify":
         from models.verifier import math_reward
 
-        return lambda response, answer, prompt="": math_reward(response, answer)
+        return Scorer(lambda response, answer, prompt="": math_reward(response, answer))
     try:
         spec = function_spec(kind)
     except ValueError as e:
         raise RewardError(f"unknown reward kind: {e}") from None
-    return _user_scorer(kind, *spec, fields, timeout_s)
+    return _user_scorer(kind, *spec, fields, timeout_s, batch)
 
 
 def source_digest(kind: str) -> str | None:
@@ -155,7 +184,12 @@ class _Limited:
 
 
 def _user_scorer(
-    kind: str, source: str, name: str, fields: tuple[str, ...] = (), timeout_s: float | None = None
+    kind: str,
+    source: str,
+    name: str,
+    fields: tuple[str, ...] = (),
+    timeout_s: float | None = None,
+    batch: bool = False,
 ) -> Scorer:
     module = _module(kind, source)
     fn = getattr(module, name, None)
@@ -174,71 +208,123 @@ def _user_scorer(
             f"task.reward {kind!r}: {name} is async; a reward function returns its value (run a coroutine inside it "
             "with asyncio.run)"
         )
+    # a batched function takes lists: of responses, answers, prompts and of each field's values
+    prompt_word = "prompts" if batch else "prompt"
+    if batch and prompt_word in fields:
+        raise RewardError(
+            f"task.dataset.extra_fields lists {prompt_word!r}, the keyword a batched task.reward receives the prompts "
+            "by: rename the field in the data"
+        )
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a callable whose signature Python cannot read (some C functions)
         signature = None
     params = signature.parameters if signature is not None else {}
     takes_prompt = any(p.kind is p.VAR_KEYWORD for p in params.values()) or (
-        "prompt" in params and params["prompt"].kind is not inspect.Parameter.POSITIONAL_ONLY
+        prompt_word in params and params[prompt_word].kind is not inspect.Parameter.POSITIONAL_ONLY
     )
     if signature is not None:
-        keywords = (["prompt"] if takes_prompt else []) + list(fields)
+        keywords = ([prompt_word] if takes_prompt else []) + list(fields)
         try:
             signature.bind("response", "answer", **dict.fromkeys(keywords))
         except TypeError as e:
-            call = ", ".join(["response", "answer", *(f"{k}=..." for k in keywords)])
+            call = ", ".join(["responses", "answers"] if batch else ["response", "answer"])
+            call = ", ".join([call, *(f"{k}=..." for k in keywords)])
             also = ", and one keyword argument per field of task.dataset.extra_fields" if fields else ""
             odd = [f for f in fields if not f.isidentifier() or keyword.iskeyword(f)]
             if odd:
                 also += f" ({', '.join(map(repr, odd))}: not a Python name, so only a **kwargs parameter receives it)"
+            takes = (
+                "a batched reward function (task.reward_batch) takes the list of responses and the list of reference "
+                f"answers (and, optionally, prompts=){also}, each a list"
+                if batch
+                else f"a reward function takes the response and the reference answer (and, optionally, prompt=){also}"
+            )
             raise RewardError(
-                f"task.reward {kind!r}: {name}{signature} cannot be called as {name}({call}) ({e}); a reward "
-                f"function takes the response and the reference answer (and, optionally, prompt=){also}"
+                f"task.reward {kind!r}: {name}{signature} cannot be called as {name}({call}) ({e}); {takes}"
             ) from None
 
     call = fn if timeout_s is None else _Limited(fn, timeout_s)
 
-    def scorer(response: str, answer: str, prompt: str = "", **extra) -> float:
+    def invoke(args: tuple, kwargs: dict, scoring: str):
+        """The call; what it raised, or its running out of time, as RewardError naming what it was `scoring`."""
         try:
-            # a copy per call: a function that changes its argument does not change the next sample's
-            kwargs = copy.deepcopy(extra) if extra else {}
-            if takes_prompt:
-                kwargs["prompt"] = prompt
-            value = call(response, answer, **kwargs)
+            return call(*args, **kwargs)
         except _Overran:
             raise RewardError(
-                f"task.reward {kind!r} gave no value within task.reward_timeout_s={timeout_s:g} s (scoring the "
-                f"response {_shown(response)} against the answer {_shown(answer)}); the call runs on in this "
-                "process, as Python cannot stop it: have the function limit what it runs (a resume imports the "
-                "edited file again), or start a new run with a higher limit"
+                f"task.reward {kind!r} gave no value within task.reward_timeout_s={timeout_s:g} s ({scoring}); the "
+                "call runs on in this process, as Python cannot stop it: have the function limit what it runs (a "
+                "resume imports the edited file again), or start a new run with a higher limit"
             ) from None
         except Exception as e:
-            raise RewardError(
-                f"task.reward {kind!r} raised {error_line(e)} (scoring the response {_shown(response)} against the "
-                f"answer {_shown(answer)})"
-            ) from e
-        returned = value
-        try:
-            if not isinstance(value, numbers.Real) and getattr(value, "shape", None) == () and hasattr(value, "item"):
-                value = value.item()  # a NumPy scalar (np.bool_ too) or a 0-d tensor
-            value = float(value) if isinstance(value, numbers.Real) else None
-        except Exception:  # an .item() that raises, an int too large for a float (10**400)
-            value = None
-        if value is None:
-            kind_of = type(returned).__qualname__
-            kind_of = kind_of if type(returned).__module__ == "builtins" else f"{type(returned).__module__}.{kind_of}"
-            raise RewardError(
-                f"task.reward {kind!r} returned {_shown(returned)} ({kind_of}) for the response {_shown(response)}: "
-                "a reward is a real number that fits a float (1.0 counts as correct in held-out accuracy)"
-            )
-        if not math.isfinite(value):
-            raise RewardError(
-                f"task.reward {kind!r} returned {value} for the response {_shown(response)}: a reward must be finite"
-            )
-        return value
+            raise RewardError(f"task.reward {kind!r} raised {error_line(e)} ({scoring})") from e
 
-    return scorer
+    def one(response: str, answer: str, prompt: str = "", **extra) -> float:
+        # a copy per call: a function that changes its argument does not change the next sample's
+        kwargs = copy.deepcopy(extra) if extra else {}
+        if takes_prompt:
+            kwargs["prompt"] = prompt
+        scoring = f"scoring the response {_shown(response)} against the answer {_shown(answer)}"
+        returned = invoke((response, answer), kwargs, scoring)
+        where = f"for the response {_shown(response)}"
+        if isinstance(returned, (list, tuple)) or getattr(returned, "ndim", None) == 1:
+            where += " (a function that scores a list of responses is called with lists under task.reward_batch: true)"
+        return _reward_value(kind, returned, where)
+
+    def many(responses: list[str], answers: list[str], prompts: list[str], extras: list[dict]) -> list[float]:
+        n = len(responses)
+        # each response's own copy of its fields, as one at a time gets (a group's responses share a prompt's row)
+        kwargs = {f: [copy.deepcopy(e[f]) for e in extras] for f in fields}
+        if takes_prompt:
+            kwargs["prompts"] = list(prompts)
+        scoring = f"scoring {n} responses, the first {_shown(responses[0])} against the answer {_shown(answers[0])}"
+        returned = invoke((list(responses), list(answers)), kwargs, scoring)
+        if isinstance(returned, (list, tuple)):
+            values = list(returned)
+        elif getattr(returned, "ndim", None) == 1 and hasattr(returned, "tolist"):  # NumPy, torch
+            values = returned.tolist()
+        else:
+            raise RewardError(
+                f"task.reward {kind!r} returned {_shown(returned)} ({_type_name(returned)}) for {n} responses: a "
+                "batched reward function (task.reward_batch) returns one reward per response, as a list, a tuple or "
+                "a 1-d array"
+            )
+        if len(values) != n:
+            raise RewardError(
+                f"task.reward {kind!r} returned {len(values)} rewards for {n} responses: "
+                "a batched reward function (task.reward_batch) returns one reward per response, in their order"
+            )
+        return [
+            _reward_value(kind, v, f"at index {i} of {n}, for the response {_shown(r)}")
+            for i, (v, r) in enumerate(zip(values, responses))
+        ]
+
+    return Scorer(many=many) if batch else Scorer(one)
+
+
+def _reward_value(kind: str, returned: object, where: str) -> float:
+    """A user's function's value `returned` (for the response `where` says) as a float; RewardError for anything that
+    is not a finite real number (a bool, a NumPy scalar or a 0-d tensor counts as its value)."""
+    value = returned
+    try:
+        if not isinstance(value, numbers.Real) and getattr(value, "shape", None) == () and hasattr(value, "item"):
+            value = value.item()  # a NumPy scalar (np.bool_ too) or a 0-d tensor
+        value = float(value) if isinstance(value, numbers.Real) else None
+    except Exception:  # an .item() that raises, an int too large for a float (10**400)
+        value = None
+    if value is None:
+        raise RewardError(
+            f"task.reward {kind!r} returned {_shown(returned)} ({_type_name(returned)}) {where}: a reward is a real "
+            "number that fits a float (1.0 counts as correct in held-out accuracy)"
+        )
+    if not math.isfinite(value):
+        raise RewardError(f"task.reward {kind!r} returned {value} {where}: a reward must be finite")
+    return value
+
+
+def _type_name(value: object) -> str:
+    name = type(value).__qualname__
+    return name if type(value).__module__ == "builtins" else f"{type(value).__module__}.{name}"
 
 
 def _cut(text: str, limit: int = 200) -> str:

@@ -367,9 +367,9 @@ def _dataset_prompts(cfg: Config, warn: bool) -> tuple[list, list]:
 
 def bootstrap_key(cfg: Config) -> str:
     # fields added after v0s were cached are left out where v0 does not depend on them, so that a run from before them
-    # finds its v0 on resume: a reward's time limit never changes v0; extra fields do once listed (the rows kept, the
-    # target-accuracy check's scores)
-    task = cfg.task.model_dump(mode="json", exclude={"reward_timeout_s"})
+    # finds its v0 on resume: a reward's time limit or batched form (the same scores, called otherwise) never changes
+    # v0; extra fields do once listed (the rows kept, the target-accuracy check's scores)
+    task = cfg.task.model_dump(mode="json", exclude={"reward_timeout_s", "reward_batch"})
     if task["dataset"] is not None and not task["dataset"]["extra_fields"]:
         del task["dataset"]["extra_fields"]
     key = {
@@ -493,11 +493,13 @@ def accuracy(
     )
     model.train(was_training)
     score = reward or reward_function("arithmetic")
-    hits = sum(
-        score(tok.decode(o, skip_special_tokens=True), p.answer, p.text, **p.extra) >= 1.0
-        for o, p in zip(outs, prompts)
+    rewards = score.many(  # one call of a batched function for all the answers
+        [tok.decode(o, skip_special_tokens=True) for o in outs],
+        [p.answer for p in prompts],
+        [p.text for p in prompts],
+        [p.extra for p in prompts],
     )
-    return hits / len(prompts)
+    return sum(r >= 1.0 for r in rewards) / len(prompts)
 
 
 def evaluate(session: RunSession) -> float:
@@ -697,6 +699,7 @@ def _open_with_trainer(
         prompts=[(p.prompt_id, p.text, p.answer, i, p.extra) for p, i in zip(train_prompts, train_ids)],
         reward_fields=cfg.task.reward_fields(),
         reward_timeout_s=cfg.task.reward_timeout_s,
+        reward_batch=cfg.task.reward_batch,
     )
     with contextlib.ExitStack() as undo:  # a failure from here (MLflow unreachable, no shared memory) must not leave
         # the workers, an MLflow run marked running or a shared-memory file behind

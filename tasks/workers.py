@@ -59,6 +59,7 @@ class WorkerSpec:
     vllm: dict = field(default_factory=dict)  # VLLMEngine keyword arguments
     reward_fields: tuple[str, ...] = ()  # `task.dataset.extra_fields`, which the reward function receives
     reward_timeout_s: float | None = None  # `task.reward_timeout_s`: the limit of one call of a user's function
+    reward_batch: bool = False  # `task.reward_batch`: a user's function scores a shard's responses in one call
 
 
 _MAPPED: dict[str, object] = {}  # SharedWeights file -> this process's mapping of it (a uint8 tensor)
@@ -237,7 +238,7 @@ class _Worker:
         self.id, self.spec, self.commands, self.parent = worker_id, spec, commands, parent
         self.lake = Lake(spec.lake_uri)
         self.reward = reward_function(  # a user's: imported in this process
-            spec.reward_kind, spec.partial_credit, spec.reward_fields, spec.reward_timeout_s
+            spec.reward_kind, spec.partial_credit, spec.reward_fields, spec.reward_timeout_s, spec.reward_batch
         )
         self.vllm = None
         if spec.engine == "vllm":
@@ -318,34 +319,34 @@ class _Worker:
                 poll_update=poll_update,
             )
         now = datetime.now(timezone.utc)
-        records = []
-        gen_tokens = 0
-        for pid, group in zip(chunk.prompt_ids, groups):
-            _, text, answer, pids, extra = self.prompts[pid]
-            for j, s in enumerate(group):
-                resp = tok.decode(s.response_ids, skip_special_tokens=True)
-                gen_tokens += len(s.response_ids)
-                records.append(
-                    SampleRecord(
-                        run_id=spec.run_id,
-                        iteration=chunk.iteration,
-                        policy_version=started_version,
-                        group_id=f"{chunk.iteration}-{pid}",
-                        prompt_id=pid,
-                        sample_index=j,
-                        prompt_ids=pids,
-                        response_ids=s.response_ids,
-                        behavior_logprobs=s.logprobs,
-                        token_versions=s.token_versions,
-                        reward=self.reward(resp, answer, text, **extra),
-                        finish_reason=s.finish_reason,
-                        prompt_text=text,
-                        response_text=resp,
-                        worker=self.id,
-                        seed=s.seed,
-                        created_at=now,
-                    )
-                )
+        samples = [(pid, j, s) for pid, group in zip(chunk.prompt_ids, groups) for j, s in enumerate(group)]
+        texts = [tok.decode(s.response_ids, skip_special_tokens=True) for _, _, s in samples]
+        rows = [self.prompts[pid] for pid, _, _ in samples]  # (prompt_id, text, answer, token ids, extra)
+        # one call of a batched function for the shard's responses, else one per response
+        rewards = self.reward.many(texts, [r[2] for r in rows], [r[1] for r in rows], [r[4] for r in rows])
+        records = [
+            SampleRecord(
+                run_id=spec.run_id,
+                iteration=chunk.iteration,
+                policy_version=started_version,
+                group_id=f"{chunk.iteration}-{pid}",
+                prompt_id=pid,
+                sample_index=j,
+                prompt_ids=row[3],
+                response_ids=s.response_ids,
+                behavior_logprobs=s.logprobs,
+                token_versions=s.token_versions,
+                reward=reward,
+                finish_reason=s.finish_reason,
+                prompt_text=row[1],
+                response_text=text,
+                worker=self.id,
+                seed=s.seed,
+                created_at=now,
+            )
+            for (pid, j, s), text, row, reward in zip(samples, texts, rows, rewards, strict=True)
+        ]
+        gen_tokens = sum(len(s.response_ids) for _, _, s in samples)
         t1 = time.perf_counter()
         path = (
             f"{self.lake.iteration_rollouts(spec.run_id, started_version, chunk.iteration)}/"

@@ -11,6 +11,8 @@ import statistics
 import sys
 import uuid
 
+import pytest
+
 from flows.train import train_flow
 from storage.lake import Lake
 from tests.integration.runs import all_samples, mlflow_run, write_config
@@ -90,9 +92,28 @@ def score(response, answer, prompt, accepted, weight):
 """
 
 
-def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_evaluation(tmp_path, monkeypatch):
+EXTRA_REWARD_BATCHED = """
+import json, os
+
+def score(responses, answers, prompts, accepted, weight):
+    # as `score` above, for lists: each call is logged with its length, and each response's value
+    values = [float(r.strip() in [a, *acc]) + w for r, a, acc, w in zip(responses, answers, accepted, weight)]
+    with open(os.path.join(os.environ["LOCKSTEP_TEST_REWARD_LOG"], f"{os.getpid()}.jsonl"), "a") as f:
+        for p, acc, w, v in zip(prompts, accepted, weight, values):
+            row = {"prompt": p, "accepted": acc, "weight": w, "value": v, "call_of": len(responses)}
+            f.write(json.dumps(row) + "\\n")
+    return values
+"""
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one-at-a-time", "batched"])
+def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_evaluation(
+    tmp_path, monkeypatch, batch
+):
     """`task.dataset.extra_fields: [accepted, weight]`: every stored reward, made in a spawned rollout worker, and
-    every held-out score, made in this process, is the function of that prompt's own row."""
+    every held-out score, made in this process, is the function of that prompt's own row. Batched
+    (`task.reward_batch`), the same with one call per shard's responses (2 groups of 4) in the workers, and one per
+    evaluation of the 8 held-out prompts."""
     import random
 
     rng = random.Random(0)
@@ -105,7 +126,7 @@ def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_
             rows.setdefault(f"Question: {row['question']}\nAnswer: ", []).append(row)
             f.write(json.dumps(row) + "\n")
     rows = {text: same[0] for text, same in rows.items() if len(same) == 1}  # a question asked twice: ambiguous
-    (tmp_path / "extra_reward.py").write_text(EXTRA_REWARD)
+    (tmp_path / "extra_reward.py").write_text(EXTRA_REWARD_BATCHED if batch else EXTRA_REWARD)
     log = tmp_path / "calls"
     log.mkdir()
     monkeypatch.setenv("LOCKSTEP_TEST_REWARD_LOG", str(log))
@@ -116,6 +137,7 @@ def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_
         "task.dataset": {"uri": str(tmp_path / "train.jsonl"), "extra_fields": ["accepted", "weight"]},
         "run.iterations": 1,
         "bootstrap.steps": 10,
+        "task.reward_batch": batch,
     }
     summary = train_flow(config_path=write_config(tmp_path, "extra", overrides))
 
@@ -138,4 +160,6 @@ def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_
     assert checked >= 16 and len({r.reward for r in samples.values()}) > 1
     held_out = calls[os.getpid()]
     assert len(held_out) == 2 * 8  # v0 and v1, 8 held-out prompts each
+    if batch:  # a worker's call scores a shard's 8 responses, an evaluation's the 8 held-out answers
+        assert {c["call_of"] for made in calls.values() for c in made} == {8}
     assert summary["eval_accuracy_final"] == sum(c["value"] >= 1.0 for c in held_out[-8:]) / 8

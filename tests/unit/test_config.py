@@ -1116,11 +1116,32 @@ def test_extra_fields_name_keyword_arguments_of_a_users_reward_only():
         assert "task.dataset.extra_fields" in message and words in message, message
 
 
+def test_a_batched_reward_is_a_users_function_and_reaches_its_loader():
+    """task.reward_batch: off by default, passed on to the reward's loader, refused with a built-in reward (which
+    scores one response at a time) with what to set instead."""
+    assert load_config(None, []).task.reward_batch is False
+    cfg = load_config(None, ["task.reward=mod:f", "task.reward_batch=true"])
+    assert cfg.task.reward_settings()["batch"] is True
+    for builtin in ("arithmetic", "math_verify"):
+        message = load_error(None, [f"task.reward={builtin}", "task.reward_batch=true"])
+        assert (
+            f"task.reward_batch calls your own task.reward function with lists, and task.reward is the built-in "
+            f"{builtin!r}, which scores one response at a time: set task.reward to FILE.py:FUNCTION, or remove "
+            "reward_batch" in message
+        ), message
+
+
 def test_a_reward_time_limit_is_positive_and_named_inert_for_a_builtin_reward():
     from configs.schema import inert_settings
 
     cfg = load_config(None, ["task.reward=mod:f", "task.reward_timeout_s=2.5"])
-    assert cfg.task.reward_settings() == {"kind": "mod:f", "partial_credit": 0.5, "fields": (), "timeout_s": 2.5}
+    assert cfg.task.reward_settings() == {
+        "kind": "mod:f",
+        "partial_credit": 0.5,
+        "fields": (),
+        "timeout_s": 2.5,
+        "batch": False,
+    }
     assert load_config(None, []).task.reward_settings()["timeout_s"] is None
     assert "task.reward_timeout_s" in load_error(None, ["task.reward=mod:f", "task.reward_timeout_s=0"])
     assert "less than or equal to 86400" in load_error(None, ["task.reward=mod:f", "task.reward_timeout_s=1e10"])

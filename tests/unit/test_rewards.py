@@ -430,3 +430,126 @@ def test_a_call_abandoned_at_its_limit_ends_its_thread_once_it_returns_and_signa
     sets_handler = _Limited(lambda: signal.signal(signal.SIGALRM, signal.SIG_DFL), 5)
     with pytest.raises(ValueError, match="main thread"):
         sets_handler()
+
+
+BATCHED = """
+import numpy as np
+calls = []
+def judge(responses, answers, prompts, level):
+    calls.append(len(responses))
+    return [float(r == a) + lv + len(p) / 100 for r, a, p, lv in zip(responses, answers, prompts, level)]
+def as_array(responses, answers):
+    return np.array([r == a for r, a in zip(responses, answers)])
+def pops(responses, answers, tests):
+    return [len(t.pop()) for t in tests]
+def one_short(responses, answers):
+    return [1.0] * (len(responses) - 1)
+def a_dict(responses, answers):
+    return {r: 1.0 for r in responses}
+def a_matrix(responses, answers):
+    return np.ones((len(responses), 1))
+def a_nan(responses, answers):
+    return [0.0, float("nan"), 0.0][: len(responses)]
+def raises(responses, answers):
+    raise KeyError(responses[1])
+def slow(responses, answers):
+    import time
+    time.sleep(30)
+def per_sample(response, answer):
+    return 1.0
+def kw(response, answer, **kw):
+    return len(kw["prompts"])
+"""
+
+
+def test_a_batched_function_scores_a_list_in_one_call_and_each_response_gets_its_fields(tmp_path):
+    """`task.reward_batch`: one call for the list, prompts= and each field as lists in the responses' order, and its
+    values in that order (a NumPy array too, bools as 0 / 1); one response scored alone is a list of one; each
+    response gets its own copy of its row's fields, as one at a time does."""
+    path = _write(tmp_path, BATCHED)
+    score = reward_function(f"{path}:judge", fields=("level",), batch=True)
+    extras = [{"level": 1}, {"level": 1}, {"level": 2}]
+    assert score.many(["5", "6", "7"], ["5", "5", "7"], ["ab", "ab", "abcd"], extras) == [2.02, 1.02, 3.04]
+    assert score("5", "5", "abc", level=0) == 1.03
+    module = sys.modules[next(k for k, m in sys.modules.items() if getattr(m, "__file__", None) == str(path))]
+    assert module.calls == [3, 1]  # one call per list
+    assert score.many([], [], [], []) == []  # nothing to score: no call
+    assert module.calls == [3, 1]
+    assert reward_function(f"{path}:as_array", batch=True).many(["1", "2"], ["1", "1"], ["", ""], [{}, {}]) == [1, 0]
+    row = {"tests": [["a"], ["b", "c"]]}  # a group's responses share their prompt's row
+    assert reward_function(f"{path}:pops", fields=("tests",), batch=True).many(
+        ["r"] * 3, ["a"] * 3, ["p"] * 3, [row] * 3
+    ) == [2.0, 2.0, 2.0]
+    assert row == {"tests": [["a"], ["b", "c"]]}
+    # the per-sample form serves a list too, one call a response
+    assert reward_function(f"{path}:per_sample").many(["x", "y"], ["a", "b"], ["", ""], [{}, {}]) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (
+            "one_short",
+            "returned 2 rewards for 3 responses: a batched reward function (task.reward_batch) returns one "
+            "reward per response, in their order",
+        ),
+        (
+            "a_dict",
+            "returned {'x': 1.0, 'y': 1.0, 'z': 1.0} (dict) for 3 responses: a batched reward function "
+            "(task.reward_batch) returns one reward per response, as a list, a tuple or a 1-d array",
+        ),
+        (
+            "a_matrix",
+            "(numpy.ndarray) for 3 responses: a batched reward function (task.reward_batch) returns one "
+            "reward per response, as a list, a tuple or a 1-d array",
+        ),
+        ("a_nan", "returned nan at index 1 of 3, for the response 'y': a reward must be finite"),
+        ("raises", "raised KeyError: 'y' (scoring 3 responses, the first 'x' against the answer 'a')"),
+    ],
+)
+def test_what_a_batched_function_gets_wrong_is_named_with_the_list_it_scored(tmp_path, name, expected):
+    path = _write(tmp_path, BATCHED)
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{path}:{name}", batch=True).many(["x", "y", "z"], ["a", "b", "c"], [""] * 3, [{}] * 3)
+    assert str(e.value).startswith(f"task.reward '{path}:{name}' ") and expected in str(e.value), str(e.value)
+
+
+def test_a_batched_function_is_checked_at_load_and_limited_per_call(tmp_path):
+    """Its signature is checked against the batched call (prompts=, each field by name) before any work; a field
+    named `prompts` is refused in a batch, as the keyword the prompts come by; a built-in reward is never batched;
+    the time limit is one call's, the list's."""
+    path = _write(tmp_path, BATCHED)
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{path}:judge", fields=("tests",), batch=True)
+    assert str(e.value) == (
+        f"task.reward '{path}:judge': judge(responses, answers, prompts, level) cannot be called as "
+        "judge(responses, answers, prompts=..., tests=...) (missing a required argument: 'level'); a batched "
+        "reward function (task.reward_batch) takes the list of responses and the list of reference answers (and, "
+        "optionally, prompts=), and one keyword argument per field of task.dataset.extra_fields, each a list"
+    )
+    with pytest.raises(RewardError, match="lists 'prompts', the keyword a batched task.reward receives the prompts by"):
+        reward_function(f"{path}:as_array", fields=("prompts",), batch=True)
+    # one at a time, `prompts` is a field like any other (the prompt comes as prompt=)
+    assert reward_function(f"{path}:kw", fields=("prompts",))("r", "a", "p", prompts=[1, 2]) == 2.0
+    with pytest.raises(RewardError, match=r"^task.reward 'arithmetic' is built in and scores one response at a time"):
+        reward_function("arithmetic", batch=True)
+    score = reward_function(f"{path}:slow", timeout_s=0.5, batch=True)
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"gave no value within task.reward_timeout_s=0.5 s \(scoring 2 responses, "):
+        score.many(["x", "y"], ["a", "b"], ["", ""], [{}, {}])
+    assert time.monotonic() - started < 10.0
+
+
+def test_a_function_of_the_other_form_is_told_about_task_reward_batch(tmp_path):
+    """A batched function loaded one at a time gets strings and returns a list: the error says how lists are given;
+    a one-at-a-time function loaded batched returns one number for the list: the error says one per response."""
+    path = _write(tmp_path, BATCHED)
+    with pytest.raises(RewardError) as e:
+        reward_function(f"{path}:one_short")("ab", "a")
+    assert str(e.value) == (
+        f"task.reward '{path}:one_short' returned [1.0] (list) for the response 'ab' (a function that scores a list "
+        "of responses is called with lists under task.reward_batch: true): a reward is a real number that fits a "
+        "float (1.0 counts as correct in held-out accuracy)"
+    )
+    with pytest.raises(RewardError, match=r"returned 1.0 \(float\) for 2 responses: a batched reward function"):
+        reward_function(f"{path}:per_sample", batch=True).many(["x", "y"], ["a", "b"], ["", ""], [{}, {}])

@@ -11,6 +11,7 @@ import json
 import logging
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from configs.schema import load_config
@@ -149,20 +150,30 @@ def test_accuracy_counts_a_reward_of_at_least_one_as_correct_and_gives_the_funct
     assert module.SEEN == ["p0", "p1", "p2"]
 
 
-def test_accuracy_gives_a_users_reward_each_prompts_extra_fields(tiny_hf, monkeypatch, tmp_path):
+@pytest.mark.parametrize("batch", [False, True], ids=["one-at-a-time", "batched"])
+def test_accuracy_gives_a_users_reward_each_prompts_extra_fields(tiny_hf, monkeypatch, tmp_path, batch):
     """Held-out answers of a dataset with `extra_fields` are scored with each prompt's own values (here the answers
-    a prompt accepts besides the reference)."""
-
+    a prompt accepts besides the reference). Batched (`task.reward_batch`), in one call with every greedy answer,
+    reference, prompt and field value as lists in the prompts' order; a value of at least 1.0 is correct."""
     tok = tiny_hf.tokenizer
     outs = [tok(a, add_special_tokens=False)["input_ids"] for a in ("12", "7", "8")]
     monkeypatch.setattr(session_module, "greedy_answers", lambda m, ids, **kw: outs)
     (tmp_path / "r.py").write_text(
+        "CALLS = []\n"
         "def score(response, answer, accepted):\n    return float(response == answer or response in accepted)\n"
+        "def judge(responses, answers, prompts, accepted):\n"
+        "    CALLS.append((responses, answers, prompts, accepted))\n"
+        "    return [1.0 if r == a or r in acc else 0.999 for r, a, acc in zip(responses, answers, accepted)]\n"
     )
     prompts = [Prompt(0, "p0", "x", {"accepted": ["12"]}), Prompt(1, "p1", "7", {"accepted": []})]
     prompts.append(Prompt(2, "p2", "x", {"accepted": ["9"]}))
-    scorer = reward_function(f"{tmp_path}/r.py:score", fields=("accepted",))
+    scorer = reward_function(f"{tmp_path}/r.py:{'judge' if batch else 'score'}", fields=("accepted",), batch=batch)
     assert session_module.accuracy(tiny_hf.model, tok, [[1], [2], [3]], prompts, 4, scorer) == 2 / 3
+    import sys
+
+    (module,) = [m for m in sys.modules.values() if getattr(m, "__file__", None) == str(tmp_path / "r.py")]
+    calls = [(["12", "7", "8"], ["x", "7", "x"], ["p0", "p1", "p2"], [["12"], [], ["9"]])] if batch else []
+    assert module.CALLS == calls
 
 
 def test_accuracy_ends_answers_at_a_newline_only_when_asked(tiny_hf, monkeypatch):

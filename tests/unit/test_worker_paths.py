@@ -8,6 +8,7 @@ shared-memory weights (alignment, shapes, orphans, release) and the rollout sche
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import queue
@@ -103,6 +104,16 @@ def test_a_shard_records_the_samples_under_the_version_held(worker, monkeypatch)
         assert r.prompt_ids == pids and r.prompt_text == text
 
 
+def _scoring_worker(spec, monkeypatch) -> _Worker:
+    """A worker of `spec` on the fake engine, which knows every prompt's answer, holding version 0."""
+    w = _Worker(3, spec, queue.Queue(), os.getppid())
+    answers = _fake_engine(monkeypatch, w.tokenizer, [])
+    for _, _, answer, ids, _ in spec.prompts:
+        answers[tuple(ids)] = answer
+    w.version = 0
+    return w
+
+
 def test_a_users_reward_function_scores_each_sample_with_its_prompt(worker, monkeypatch, tmp_path):  # noqa: F811
     """`task.reward: FILE.py:FUNCTION`: the worker imports the function as it starts, and each shard row's reward is
     what it returned for that row's response, answer and prompt; a function that raises fails the chunk naming
@@ -116,11 +127,7 @@ def test_a_users_reward_function_scores_each_sample_with_its_prompt(worker, monk
         "def picky(response, answer):\n"
         "    return {answer + '\\n': 1.0}[response]\n"
     )
-    user = _Worker(3, replace(worker.spec, reward_kind=f"{path}:score"), queue.Queue(), os.getppid())
-    answers = _fake_engine(monkeypatch, user.tokenizer, [])
-    for _, _, answer, ids, _ in user.spec.prompts:
-        answers[tuple(ids)] = answer
-    user.version = 0
+    user = _scoring_worker(replace(worker.spec, reward_kind=f"{path}:score"), monkeypatch)
     info = user.generate_chunk(Chunk(iteration=0, version=0, index=0, prompt_ids=(4, 1)))
     rows = table_to_records(read_shard(user.lake, info["path"], info["checksum"]))
     assert len(rows) == 8
@@ -146,13 +153,7 @@ def test_a_users_reward_function_over_its_time_limit_fails_the_chunk(worker, mon
 
     path = tmp_path / "stuck.py"
     path.write_text("import threading\ndef score(response, answer):\n    threading.Event().wait()\n")
-    stuck = _Worker(
-        3, replace(worker.spec, reward_kind=f"{path}:score", reward_timeout_s=0.2), queue.Queue(), os.getppid()
-    )
-    answers = _fake_engine(monkeypatch, stuck.tokenizer, [])
-    for _, _, answer, ids, _ in stuck.spec.prompts:
-        answers[tuple(ids)] = answer
-    stuck.version = 0
+    stuck = _scoring_worker(replace(worker.spec, reward_kind=f"{path}:score", reward_timeout_s=0.2), monkeypatch)
     with pytest.raises(RewardError, match=r"gave no value within task.reward_timeout_s=0.2 s \(scoring the response"):
         stuck.generate_chunk(Chunk(iteration=2, version=0, index=0, prompt_ids=(2,)))
     assert not stuck.lake.fs.glob(f"{stuck.lake.run_dir('w')}/rollouts/*/iter-000002/*")
@@ -169,15 +170,54 @@ def test_a_users_reward_function_receives_each_prompts_extra_fields(worker, monk
     )
     prompts = [(p, t, a, ids, {"weight": p + 1, "tags": ["t", p + 1]}) for p, t, a, ids, _ in worker.spec.prompts]
     spec = replace(worker.spec, reward_kind=f"{path}:score", prompts=prompts, reward_fields=("weight", "tags"))
-    user = _Worker(3, spec, queue.Queue(), os.getppid())
-    answers = _fake_engine(monkeypatch, user.tokenizer, [])
-    for _, _, answer, ids, _ in prompts:
-        answers[tuple(ids)] = answer
-    user.version = 0
+    user = _scoring_worker(spec, monkeypatch)
     info = user.generate_chunk(Chunk(iteration=0, version=0, index=0, prompt_ids=(4, 1)))
     rows = table_to_records(read_shard(user.lake, info["path"], info["checksum"]))
     # even samples answer correctly (fake engine): prompt 4 scores 5, prompt 1 scores 2, odd samples 0
     assert [(r.prompt_id, r.reward) for r in rows] == [(p, (p + 1.0) * (j % 2 == 0)) for p in (4, 1) for j in range(4)]
+
+
+def test_a_batched_reward_function_scores_the_whole_shard_in_one_call(worker, monkeypatch, tmp_path):  # noqa: F811
+    """`task.reward_batch`: the worker calls the function once per chunk, with the shard's responses, answers,
+    prompts and each field as lists in the shard's row order, and each row's reward is the value at its place; a list
+    of the wrong length fails the chunk and publishes nothing."""
+    path = tmp_path / "judge.py"
+    path.write_text(
+        "import json, os\n"
+        "def judge(responses, answers, prompts, weight):\n"
+        "    with open(os.environ['JUDGE_LOG'], 'a') as f:\n"
+        "        f.write(json.dumps([responses, answers, prompts, weight]) + '\\n')\n"
+        "    return [w * (r.strip() == a) + len(p) / 100 for r, a, p, w in zip(responses, answers, prompts, weight)]\n"
+        "def short(responses, answers, weight):\n"
+        "    return [1.0]\n"
+    )
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("JUDGE_LOG", str(log))
+    prompts = [(p, t, a, ids, {"weight": p + 1}) for p, t, a, ids, _ in worker.spec.prompts]
+    spec = replace(
+        worker.spec, reward_kind=f"{path}:judge", prompts=prompts, reward_fields=("weight",), reward_batch=True
+    )
+    user = _scoring_worker(spec, monkeypatch)
+    info = user.generate_chunk(Chunk(iteration=0, version=0, index=0, prompt_ids=(4, 1)))
+    rows = table_to_records(read_shard(user.lake, info["path"], info["checksum"]))
+    (call,) = [json.loads(line) for line in log.read_text().splitlines()]  # one call for the shard's 8 responses
+    assert call == [
+        [r.response_text for r in rows],
+        [prompts[r.prompt_id][2] for r in rows],
+        [r.prompt_text for r in rows],
+        [r.prompt_id + 1 for r in rows],
+    ]
+    # even samples answer correctly (fake engine): prompt 4 scores 5, prompt 1 scores 2, odd samples 0; + len/100
+    assert [(r.prompt_id, r.reward) for r in rows] == [
+        (p, (p + 1.0) * (j % 2 == 0) + len(f"{p}+1=") / 100) for p in (4, 1) for j in range(4)
+    ]
+    short = _Worker(3, replace(spec, reward_kind=f"{path}:short"), queue.Queue(), os.getppid())
+    short.version = 0
+    from models.rewards import RewardError
+
+    with pytest.raises(RewardError, match=r"returned 1 rewards for 4 responses: a batched reward function"):
+        short.generate_chunk(Chunk(iteration=1, version=0, index=0, prompt_ids=(2,)))
+    assert not short.lake.fs.glob(f"{short.lake.run_dir('w')}/rollouts/*/iter-000001/*")
 
 
 def test_an_interrupted_chunk_records_each_tokens_version(worker):  # noqa: F811
