@@ -33,6 +33,7 @@ from models import arithmetic
 
 BUILTIN_REWARDS = ("arithmetic", "math_verify")
 RESERVED = ("response", "answer", "prompt")  # the arguments every reward function may receive: no extra field's name
+BATCH_ARGUMENTS = ("responses", "answers", "prompts")  # and those of a batched one (task.reward_batch)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 FORMS = "'arithmetic', 'math_verify', FILE.py:FUNCTION or MODULE:FUNCTION"
 
@@ -210,10 +211,11 @@ def _user_scorer(
         )
     # a batched function takes lists: of responses, answers, prompts and of each field's values
     prompt_word = "prompts" if batch else "prompt"
-    if batch and prompt_word in fields:
+    taken = [f for f in fields if batch and f in BATCH_ARGUMENTS]
+    if taken:
         raise RewardError(
-            f"task.dataset.extra_fields lists {prompt_word!r}, the keyword a batched task.reward receives the prompts "
-            "by: rename the field in the data"
+            f"task.dataset.extra_fields lists {taken[0]!r}, the name of an argument a batched task.reward already "
+            f"receives ({', '.join(BATCH_ARGUMENTS)}): rename the field in the data"
         )
     try:
         signature = inspect.signature(fn)
@@ -246,6 +248,9 @@ def _user_scorer(
 
     call = fn if timeout_s is None else _Limited(fn, timeout_s)
 
+    # a function written for one response, given lists, mostly fails on a list's missing method or on a type
+    lists_hint = " (under task.reward_batch the function is given lists)" if batch else ""
+
     def invoke(args: tuple, kwargs: dict, scoring: str):
         """The call; what it raised, or its running out of time, as RewardError naming what it was `scoring`."""
         try:
@@ -257,7 +262,8 @@ def _user_scorer(
                 "resume imports the edited file again), or start a new run with a higher limit"
             ) from None
         except Exception as e:
-            raise RewardError(f"task.reward {kind!r} raised {error_line(e)} ({scoring})") from e
+            hint = lists_hint if isinstance(e, (AttributeError, TypeError)) else ""
+            raise RewardError(f"task.reward {kind!r} raised {error_line(e)} ({scoring}){hint}") from e
 
     def one(response: str, answer: str, prompt: str = "", **extra) -> float:
         # a copy per call: a function that changes its argument does not change the next sample's
@@ -277,7 +283,7 @@ def _user_scorer(
         kwargs = {f: [copy.deepcopy(e[f]) for e in extras] for f in fields}
         if takes_prompt:
             kwargs["prompts"] = list(prompts)
-        scoring = f"scoring {n} responses, the first {_shown(responses[0])} against the answer {_shown(answers[0])}"
+        scoring = f"scoring {n} responses, from {_shown(responses[0])} against the answer {_shown(answers[0])}"
         returned = invoke((list(responses), list(answers)), kwargs, scoring)
         if isinstance(returned, (list, tuple)):
             values = list(returned)
@@ -291,7 +297,7 @@ def _user_scorer(
             )
         if len(values) != n:
             raise RewardError(
-                f"task.reward {kind!r} returned {len(values)} rewards for {n} responses: "
+                f"task.reward {kind!r} returned a list of {len(values)} for {n} responses: "
                 "a batched reward function (task.reward_batch) returns one reward per response, in their order"
             )
         return [

@@ -167,17 +167,18 @@ def test_the_bootstrap_cache_key_depends_on_the_model_task_and_bootstrap_setting
 
 
 def test_a_runs_key_is_unchanged_by_the_reward_settings_added_after_v0s_were_cached():
-    """`task.dataset.extra_fields` and `task.reward_timeout_s` came after runs had cached their v0: a config keys as
-    it did before them (the keys below are those the code before them gave, 38c84e9), so such a run's resume and a
-    new run of the same settings find that v0, whatever time limit is set; listed extra fields change the reward's
-    arguments (the bootstrap's target-accuracy check scores with them) and the rows kept, and so the key."""
+    """`task.dataset.extra_fields`, `task.reward_timeout_s` and `task.reward_batch` came after runs had cached their
+    v0: a config keys as it did before them (the keys below are those the code before them gave, 38c84e9), so such a
+    run's resume and a new run of the same settings find that v0, whatever time limit is set and however the
+    function is called; listed extra fields change the reward's arguments (the bootstrap's target-accuracy check
+    scores with them) and the rows kept, and so the key."""
     dataset = ["task.kind=dataset", "task.dataset.uri=/data/x.jsonl", "task.reward=math_verify"]
     assert session_module.bootstrap_key(load_config(None, dataset)) == "13d770231432c314"
     assert session_module.bootstrap_key(load_config(None, [])) == "5ed5aab7bd1d324b"  # arithmetic: no dataset
-    limited = ["task.reward=mod:f", "task.reward_timeout_s=5"]
-    assert session_module.bootstrap_key(load_config(None, limited)) == session_module.bootstrap_key(
-        load_config(None, limited[:1])
-    )
+    for setting in ("task.reward_timeout_s=5", "task.reward_batch=true"):
+        assert session_module.bootstrap_key(load_config(None, ["task.reward=mod:f", setting])) == (
+            session_module.bootstrap_key(load_config(None, ["task.reward=mod:f"]))
+        )
     listed = [*dataset[:2], "task.reward=mod:f", "task.dataset.extra_fields=[tests]"]
     assert session_module.bootstrap_key(load_config(None, listed)) != session_module.bootstrap_key(
         load_config(None, listed[:3])

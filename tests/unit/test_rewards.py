@@ -459,6 +459,11 @@ def per_sample(response, answer):
     return 1.0
 def kw(response, answer, **kw):
     return len(kw["prompts"])
+def strips(response, answer):
+    return float(response.strip() == answer)
+def as_tensor(responses, answers):
+    import torch
+    return torch.tensor([1.0, 0.5, float("nan")])
 """
 
 
@@ -476,6 +481,9 @@ def test_a_batched_function_scores_a_list_in_one_call_and_each_response_gets_its
     assert score.many([], [], [], []) == []  # nothing to score: no call
     assert module.calls == [3, 1]
     assert reward_function(f"{path}:as_array", batch=True).many(["1", "2"], ["1", "1"], ["", ""], [{}, {}]) == [1, 0]
+    tensor = reward_function(f"{path}:as_tensor", batch=True)  # a 1-d tensor's values (the nan is refused below)
+    with pytest.raises(RewardError, match="returned nan at index 2 of 3"):
+        tensor.many(["a", "b", "c"], ["a"] * 3, [""] * 3, [{}] * 3)
     row = {"tests": [["a"], ["b", "c"]]}  # a group's responses share their prompt's row
     assert reward_function(f"{path}:pops", fields=("tests",), batch=True).many(
         ["r"] * 3, ["a"] * 3, ["p"] * 3, [row] * 3
@@ -490,7 +498,7 @@ def test_a_batched_function_scores_a_list_in_one_call_and_each_response_gets_its
     [
         (
             "one_short",
-            "returned 2 rewards for 3 responses: a batched reward function (task.reward_batch) returns one "
+            "returned a list of 2 for 3 responses: a batched reward function (task.reward_batch) returns one "
             "reward per response, in their order",
         ),
         (
@@ -504,7 +512,8 @@ def test_a_batched_function_scores_a_list_in_one_call_and_each_response_gets_its
             "reward per response, as a list, a tuple or a 1-d array",
         ),
         ("a_nan", "returned nan at index 1 of 3, for the response 'y': a reward must be finite"),
-        ("raises", "raised KeyError: 'y' (scoring 3 responses, the first 'x' against the answer 'a')"),
+        ("raises", "raised KeyError: 'y' (scoring 3 responses, from 'x' against the answer 'a')"),
+        ("as_tensor", "returned nan at index 2 of 3, for the response 'z': a reward must be finite"),
     ],
 )
 def test_what_a_batched_function_gets_wrong_is_named_with_the_list_it_scored(tmp_path, name, expected):
@@ -516,8 +525,8 @@ def test_what_a_batched_function_gets_wrong_is_named_with_the_list_it_scored(tmp
 
 def test_a_batched_function_is_checked_at_load_and_limited_per_call(tmp_path):
     """Its signature is checked against the batched call (prompts=, each field by name) before any work; a field
-    named `prompts` is refused in a batch, as the keyword the prompts come by; a built-in reward is never batched;
-    the time limit is one call's, the list's."""
+    named like one of its arguments (`responses`, `answers`, `prompts`) is refused in a batch; a built-in reward is
+    never batched; the time limit is one call's, the list's."""
     path = _write(tmp_path, BATCHED)
     with pytest.raises(RewardError) as e:
         reward_function(f"{path}:judge", fields=("tests",), batch=True)
@@ -527,8 +536,13 @@ def test_a_batched_function_is_checked_at_load_and_limited_per_call(tmp_path):
         "reward function (task.reward_batch) takes the list of responses and the list of reference answers (and, "
         "optionally, prompts=), and one keyword argument per field of task.dataset.extra_fields, each a list"
     )
-    with pytest.raises(RewardError, match="lists 'prompts', the keyword a batched task.reward receives the prompts by"):
-        reward_function(f"{path}:as_array", fields=("prompts",), batch=True)
+    for name in ("responses", "answers", "prompts"):
+        with pytest.raises(RewardError) as e:
+            reward_function(f"{path}:as_array", fields=("level", name), batch=True)
+        assert str(e.value) == (
+            f"task.dataset.extra_fields lists {name!r}, the name of an argument a batched task.reward already "
+            "receives (responses, answers, prompts): rename the field in the data"
+        )
     # one at a time, `prompts` is a field like any other (the prompt comes as prompt=)
     assert reward_function(f"{path}:kw", fields=("prompts",))("r", "a", "p", prompts=[1, 2]) == 2.0
     with pytest.raises(RewardError, match=r"^task.reward 'arithmetic' is built in and scores one response at a time"):
@@ -553,3 +567,12 @@ def test_a_function_of_the_other_form_is_told_about_task_reward_batch(tmp_path):
     )
     with pytest.raises(RewardError, match=r"returned 1.0 \(float\) for 2 responses: a batched reward function"):
         reward_function(f"{path}:per_sample", batch=True).many(["x", "y"], ["a", "b"], ["", ""], [{}, {}])
+    with pytest.raises(RewardError) as e:  # written for one response, given lists
+        reward_function(f"{path}:strips", batch=True).many(["x", "y"], ["a", "b"], ["", ""], [{}, {}])
+    assert str(e.value) == (
+        f"task.reward '{path}:strips' raised AttributeError: 'list' object has no attribute 'strip' (scoring 2 "
+        "responses, from 'x' against the answer 'a') (under task.reward_batch the function is given lists)"
+    )
+    with pytest.raises(RewardError) as e:  # its own error, one at a time: no word of lists
+        reward_function(f"{path}:strips")(None, "a")
+    assert str(e.value).endswith("(scoring the response None against the answer 'a')")

@@ -215,7 +215,7 @@ def test_a_batched_reward_function_scores_the_whole_shard_in_one_call(worker, mo
     short.version = 0
     from models.rewards import RewardError
 
-    with pytest.raises(RewardError, match=r"returned 1 rewards for 4 responses: a batched reward function"):
+    with pytest.raises(RewardError, match=r"returned a list of 1 for 4 responses: a batched reward function"):
         short.generate_chunk(Chunk(iteration=1, version=0, index=0, prompt_ids=(2,)))
     assert not short.lake.fs.glob(f"{short.lake.run_dir('w')}/rollouts/*/iter-000001/*")
 
