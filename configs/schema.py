@@ -205,14 +205,16 @@ class TaskSection(_Section):
         gt=0,
         le=86_400,
         description="Seconds one call of your own task.reward may take: a call still running then fails the run, "
-        "naming the response it was scoring (a batch's first) (null: no limit). The function then runs on a thread of its own: it may "
-        "not set signal handlers (math-verify's time limits do: pass parsing_timeout=None, timeout_seconds=None).",
+        "naming the response it was scoring (a batch's first) (null: no limit). The function then runs on a thread of "
+        "its own: it may not set signal handlers (math-verify's time limits do: pass parsing_timeout=None, "
+        "timeout_seconds=None).",
     )
     reward_batch: bool = Field(
         False,
         description="Call your own task.reward once for a list of responses (a shard's in rollouts, all held-out "
-        "answers in evaluation, a bootstrap accuracy check's), as f(responses, answers) (and prompts= if it takes it, and dataset.extra_fields by "
-        "name, each a list), returning one float per response: for a reward model or a remote judge.",
+        "answers in evaluation, a bootstrap accuracy check's), as f(responses, answers) (and prompts= if it takes it, "
+        "and dataset.extra_fields by name, each a list), returning one float per response: for a reward model or a "
+        "remote judge.",
     )
     max_operand: int = Field(30, ge=1, le=10_000, description="Operands are drawn from [0, max_operand].")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators.")

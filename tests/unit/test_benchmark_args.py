@@ -70,7 +70,8 @@ def bench(module: str, *args: str, env: dict, timeout: float = 60) -> subprocess
 
 
 @pytest.mark.parametrize(
-    "module", ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage", "startup", "catalog"]
+    "module",
+    ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage", "startup", "catalog", "rewards"],
 )
 def test_help_prints_usage_and_runs_nothing(module, env):
     t0 = time.perf_counter()
@@ -83,7 +84,8 @@ def test_help_prints_usage_and_runs_nothing(module, env):
 
 
 @pytest.mark.parametrize(
-    "module", ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage", "startup", "catalog"]
+    "module",
+    ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage", "startup", "catalog", "rewards"],
 )
 def test_unknown_flag_exits_2(module, env):
     r = bench(module, "--iterationz", "3", env=env)
@@ -121,6 +123,8 @@ def test_unknown_flag_exits_2(module, env):
         ("startup", ["--iterations", "1"], "--iterations 1: must be in [2, 39]"),
         ("startup", ["--iterations", "40"], "--iterations 40: must be in [2, 39]"),
         ("startup", ["--against", "/"], "--against /: not a checkout of lockstep (no flows/cli.py there)"),
+        ("rewards", ["--groups", "4", "--shard", "33"], "--shard 33: must be in [1, 32]"),
+        ("rewards", ["--device", "nowhere"], "--device nowhere: "),
         ("catalog", ["--window", "0"], "--window 0: must be in [1, 1500]"),
         ("catalog", ["--iterations", "10", "--window", "11"], "--window 11: must be in [1, 10]"),
         ("catalog", ["--samples", "4"], "--samples 4: must be at least 8"),
