@@ -323,7 +323,9 @@ class _Worker:
         texts = [tok.decode(s.response_ids, skip_special_tokens=True) for _, _, s in samples]
         rows = [self.prompts[pid] for pid, _, _ in samples]  # (prompt_id, text, answer, token ids, extra)
         # one call of a batched function for the shard's responses, else one per response
+        t_reward = time.perf_counter()
         rewards = self.reward.many(texts, [r[2] for r in rows], [r[1] for r in rows], [r[4] for r in rows])
+        reward_s = time.perf_counter() - t_reward
         records = [
             SampleRecord(
                 run_id=spec.run_id,
@@ -363,7 +365,8 @@ class _Worker:
             "worker": self.id,
             "iteration": chunk.iteration,
             "gen_tokens": gen_tokens,
-            "gen_s": t1 - t0,
+            "gen_s": t1 - t0,  # generation and scoring
+            "reward_s": reward_s,  # of which scoring
             "storage_s": t2 - t1,
             "published_at": time.time(),
         }

@@ -402,7 +402,7 @@ def _one_iteration(monkeypatch, k: int, iterations: int, every: int, workers_mb:
     s = SimpleNamespace(
         run_id="r", cfg=cfg, tracker=tracker, storage_s=0.0, release=lambda: None, rollouts=[], pool=pool
     )
-    result = {"busy_s": 1.0, "storage_s": 0.0, "load_s": 0.0, "shards": [{"gen_tokens": 100}]}
+    result = {"busy_s": 1.0, "storage_s": 0.0, "load_s": 0.0, "shards": [{"gen_tokens": 100, "reward_s": 0.0}]}
     rollout = SimpleNamespace(wait=lambda: None, result=lambda: result)
     monkeypatch.setattr(train_mod, "plan_task", lambda run_id, k: {"groups": [], "body_s": 0.0})
     monkeypatch.setattr(train_mod, "rollout_task", SimpleNamespace(submit=lambda run_id, k, w: rollout))

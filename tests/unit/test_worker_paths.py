@@ -183,8 +183,9 @@ def test_a_batched_reward_function_scores_the_whole_shard_in_one_call(worker, mo
     of the wrong length fails the chunk and publishes nothing."""
     path = tmp_path / "judge.py"
     path.write_text(
-        "import json, os\n"
+        "import json, os, time\n"
         "def judge(responses, answers, prompts, weight):\n"
+        "    time.sleep(0.2)\n"
         "    with open(os.environ['JUDGE_LOG'], 'a') as f:\n"
         "        f.write(json.dumps([responses, answers, prompts, weight]) + '\\n')\n"
         "    return [w * (r.strip() == a) + len(p) / 100 for r, a, p, w in zip(responses, answers, prompts, weight)]\n"
@@ -201,6 +202,7 @@ def test_a_batched_reward_function_scores_the_whole_shard_in_one_call(worker, mo
     info = user.generate_chunk(Chunk(iteration=0, version=0, index=0, prompt_ids=(4, 1)))
     rows = table_to_records(read_shard(user.lake, info["path"], info["checksum"]))
     (call,) = [json.loads(line) for line in log.read_text().splitlines()]  # one call for the shard's 8 responses
+    assert 0.2 <= info["reward_s"] <= info["gen_s"]  # the call's 0.2 s, reported as the scoring part of the shard's
     assert call == [
         [r.response_text for r in rows],
         [prompts[r.prompt_id][2] for r in rows],
