@@ -1,7 +1,7 @@
 """`lockstep report RUN_ID`: a PNG and an HTML page of a run's figures per iteration, also logged to MLflow.
 
 Panels: reward and held-out accuracy; throughput (samples/s, generation and training tokens/s); phase times
-(iteration, rollout busy, train busy, train waiting, first shard); overhead and overlap fractions.
+(iteration, rollout busy, train busy, train waiting, first shard, reward scoring); overhead and overlap fractions.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ PANELS = {
         "time/train_busy_s",
         "time/train_wait_s",
         "time/first_shard_s",
+        "time/reward_s",
     ],
     "fractions": ["perf/overhead_fraction", "perf/overlap_fraction"],
 }

@@ -113,7 +113,8 @@ def _iteration(s: RunSession, k: int) -> dict:
     figures.update(
         {
             "time/rollout_busy_s": rollout_busy,
-            # the reward function's seconds (inside the rollout's), summed over the shards of every worker
+            # the reward function's seconds, summed over the shards of every worker (each worker's share lies inside
+            # its busy time; with several workers the sum can exceed rollout_busy_s, the busiest worker's)
             "time/reward_s": sum(sh["reward_s"] for r in results for sh in r["shards"]),
             "time/sync_s": max(r["load_s"] for r in results) + promoted["body_s"],
             "perf/overlap_fraction": min(1.0, overlap / min(rollout_busy, train_busy))

@@ -163,7 +163,7 @@ def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_
     assert len(held_out) == 2 * 8  # v0 and v1, 8 held-out prompts each
     if batch:  # a worker's call scores a shard's 8 responses, an evaluation's the 8 held-out answers
         assert {c["call_of"] for made in calls.values() for c in made} == {8}
-        # the iteration's 4 shards, 0.1 s a call: the scoring time the workers report, inside the rollout's
+        # the iteration's 4 shards, 0.1 s a call: the scoring time the one rollout worker reports, inside its busy time
         (fig,) = summary["history"]
-        assert 0.4 <= fig["time/reward_s"] <= 4 * fig["time/rollout_busy_s"]
+        assert 0.4 <= fig["time/reward_s"] <= fig["time/rollout_busy_s"]
     assert summary["eval_accuracy_final"] == sum(c["value"] >= 1.0 for c in held_out[-8:]) / 8

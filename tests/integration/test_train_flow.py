@@ -114,6 +114,7 @@ def test_two_iterations_through_prefect(tmp_path):
         "mismatch/logp_abs",
         "perf/samples_per_s",
         "time/first_shard_s",
+        "time/reward_s",
         "perf/overhead_fraction",
         "staleness/max",
     ):
