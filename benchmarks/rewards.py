@@ -60,8 +60,8 @@ def main() -> None:
     from configs.schema import Config
     from models import arithmetic
 
-    task = Config().task  # the demo's: its training problems are the prompts there are
-    problems = len(arithmetic.build_splits(task.max_operand, tuple(task.ops), task.n_eval)[0])
+    cfg = Config()  # the demo's: its training problems are the prompts there are, its model the judge's architecture
+    problems = len(arithmetic.build_splits(cfg.task.max_operand, tuple(cfg.task.ops), cfg.task.n_eval)[0])
     check_range(ap, "--groups", args.groups, 1, problems)
     check_range(ap, "--shard", args.shard, 1, 8 * args.groups)
     check_range(ap, "--threads", args.threads, 1, 256)
@@ -85,7 +85,7 @@ def main() -> None:
     answers = [""] * len(responses)  # the reward model reads prompt + response; no reference answer
     extras = [{}] * len(responses)
     with work_dir(None) as tmp:
-        judge = build_tiny_model(len(tok), **Config().model.tiny.model_dump(), seed=1)  # the demo's architecture
+        judge = build_tiny_model(len(tok), **cfg.model.tiny.model_dump(), seed=1)
         model_dir = save_hf(judge, tok, Path(tmp) / "reward-model")
         (Path(tmp) / "reward_model.py").write_text(REWARD_FILE.format(model_dir=str(model_dir), device=args.device))
         one = reward_function(f"{tmp}/reward_model.py:score")

@@ -273,7 +273,7 @@ def _user_scorer(
         scoring = f"scoring the response {_shown(response)} against the answer {_shown(answer)}"
         returned = invoke((response, answer), kwargs, scoring)
         where = f"for the response {_shown(response)}"
-        if isinstance(returned, (list, tuple)) or getattr(returned, "ndim", None) == 1:
+        if _as_list(returned) is not None:
             where += " (a function that scores a list of responses is called with lists under task.reward_batch: true)"
         return _reward_value(kind, returned, where)
 
@@ -285,11 +285,8 @@ def _user_scorer(
             kwargs["prompts"] = list(prompts)
         scoring = f"scoring {n} responses, from {_shown(responses[0])} against the answer {_shown(answers[0])}"
         returned = invoke((list(responses), list(answers)), kwargs, scoring)
-        if isinstance(returned, (list, tuple)):
-            values = list(returned)
-        elif getattr(returned, "ndim", None) == 1 and hasattr(returned, "tolist"):  # NumPy, torch
-            values = returned.tolist()
-        else:
+        values = _as_list(returned)
+        if values is None:
             raise RewardError(
                 f"task.reward {kind!r} returned {_shown(returned)} ({_type_name(returned)}) for {n} responses: a "
                 "batched reward function (task.reward_batch) returns one reward per response, as a list, a tuple or "
@@ -306,6 +303,15 @@ def _user_scorer(
         ]
 
     return Scorer(many=many) if batch else Scorer(one)
+
+
+def _as_list(returned: object) -> list | None:
+    """A batched function's value as a list (a list, a tuple, a 1-d NumPy array or tensor); None for anything else."""
+    if isinstance(returned, (list, tuple)):
+        return list(returned)
+    if getattr(returned, "ndim", None) == 1 and hasattr(returned, "tolist"):  # NumPy, torch
+        return returned.tolist()
+    return None
 
 
 def _reward_value(kind: str, returned: object, where: str) -> float:
