@@ -401,6 +401,14 @@ class PipelineSection(_Section):
         "promoted beside the next iteration, off the critical path (false: workers load "
         "every version from its promoted checkpoint, written first).",
     )
+    overlap_scoring: bool = Field(
+        False,
+        description="A rollout worker scores a shard's responses (task.reward) and writes the shard on a thread "
+        "beside it while it generates its next chunk, instead of generating, scoring and writing in turn: a slow "
+        "reward (a remote judge, a reward model) hides behind generation. The same shards, in the same order "
+        "(README: 'Scoring beside generation'). Off by default because, when on, the reward runs off the worker's "
+        "main thread, where a function that sets signal handlers fails (math-verify's own time limits).",
+    )
     catalog: bool = Field(True, description="Index every trained sample and shard in the run's LanceDB catalog.")
     catalog_compact_every: int = Field(
         10,

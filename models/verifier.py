@@ -7,6 +7,7 @@ them symbolically, so "72", "72.0", "$72$" and "\\boxed{72}" all match 72; "1,00
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 INSTALL = "pip install 'math-verify>=0.7'"
 
@@ -20,13 +21,20 @@ def _require():
 
 
 def math_reward(response: str, answer: str) -> float:
-    """1.0 if the response's final answer equals the reference (after `####` if present), else 0.0."""
+    """1.0 if the response's final answer equals the reference (after `####` if present), else 0.0.
+
+    math-verify limits its parsing and comparing to 5 s each with `signal.alarm`, which works on the main thread
+    only: on another (a rollout worker's scoring thread, `pipeline.overlap_scoring`) they run without those limits
+    instead of failing, as math-verify advises; a response that would have run out of time is then scored by its full
+    result, and one that never finishes holds the thread (README, "Scoring beside generation")."""
     mv = _require()
+    main = threading.current_thread() is threading.main_thread()
+    parse_limit, verify_limit = ({}, {}) if main else ({"parsing_timeout": None}, {"timeout_seconds": None})
     final = response.rsplit("####", 1)[-1] if "####" in response else response
-    gold = mv.parse(answer)
+    gold = mv.parse(answer, **parse_limit)
     if not gold:
         return 0.0
     try:
-        return 1.0 if mv.verify(gold, mv.parse(final)) else 0.0
+        return 1.0 if mv.verify(gold, mv.parse(final, **parse_limit), **verify_limit) else 0.0
     except Exception:  # the verifier's own parse/compare errors mean "not verified", never a crash of a worker
         return 0.0

@@ -700,6 +700,7 @@ def _open_with_trainer(
         reward_fields=cfg.task.reward_fields(),
         reward_timeout_s=cfg.task.reward_timeout_s,
         reward_batch=cfg.task.reward_batch,
+        overlap_scoring=cfg.pipeline.overlap_scoring,
     )
     with contextlib.ExitStack() as undo:  # a failure from here (MLflow unreachable, no shared memory) must not leave
         # the workers, an MLflow run marked running or a shared-memory file behind

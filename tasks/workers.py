@@ -11,6 +11,10 @@ serves for the whole run (`serve`): it takes chunks of later batches as they are
 batch j only on a version >= j - max_staleness (admission control), and loads each promoted version as it is
 announced - between chunks, or between decoding steps with `interrupt_on_update`.
 
+A worker generates a chunk, then scores its responses (`task.reward`) and writes its shard; with
+`pipeline.overlap_scoring` the scoring and writing run on one thread beside the generation of its next chunk
+(`_Publisher`), so that a slow reward hides behind generation; the shards are the same.
+
 A new version reaches the workers either from its checkpoint in the lake, or (sync / periodic, builtin engine,
 `pipeline.push_weights`) pushed through one shared-memory file (`SharedWeights`) the trainer writes after the
 optimizer step and every worker maps; the checkpoint is then written off the critical path.
@@ -60,6 +64,7 @@ class WorkerSpec:
     reward_fields: tuple[str, ...] = ()  # `task.dataset.extra_fields`, which the reward function receives
     reward_timeout_s: float | None = None  # `task.reward_timeout_s`: the limit of one call of a user's function
     reward_batch: bool = False  # `task.reward_batch`: a user's function scores a shard's responses in one call
+    overlap_scoring: bool = False  # `pipeline.overlap_scoring`: score a shard while generating the next
 
 
 _MAPPED: dict[str, object] = {}  # SharedWeights file -> this process's mapping of it (a uint8 tensor)
@@ -291,8 +296,11 @@ class _Worker:
 
     def generate_chunk(self, chunk: Chunk, poll_update=None) -> dict:
         """Generate the chunk's groups on the weights held now, score them, publish them as one shard."""
+        return self.publish(self.generate(chunk, poll_update))[0]
+
+    def generate(self, chunk: Chunk, poll_update=None) -> _Generated:
+        """The chunk's groups on the weights held now, decoded, not yet scored."""
         from models.engine import generate_groups, sample_seed
-        from storage.shards import SampleRecord, write_shard
 
         spec, tok = self.spec, self.tokenizer
         started_version = self.version
@@ -321,16 +329,25 @@ class _Worker:
         now = datetime.now(timezone.utc)
         samples = [(pid, j, s) for pid, group in zip(chunk.prompt_ids, groups) for j, s in enumerate(group)]
         texts = [tok.decode(s.response_ids, skip_special_tokens=True) for _, _, s in samples]
-        rows = [self.prompts[pid] for pid, _, _ in samples]  # (prompt_id, text, answer, token ids, extra)
+        return _Generated(chunk, started_version, len(groups), samples, texts, now, t0)
+
+    def publish(self, g: _Generated, busy_from: float | None = None) -> tuple[dict, float]:
+        """Score a generated chunk and write its shard: the shard's info and the `perf_counter` time it was written.
+        Its `gen_s` is counted from `busy_from` where that is later than the chunk's start (with overlapped scoring,
+        the previous shard's end: the time both were busy is counted once)."""
+        from storage.shards import SampleRecord, write_shard
+
+        spec, chunk = self.spec, g.chunk
+        rows = [self.prompts[pid] for pid, _, _ in g.samples]  # (prompt_id, text, answer, token ids, extra)
         # one call of a batched function for the shard's responses, else one per response
         t_reward = time.perf_counter()
-        rewards = self.reward.many(texts, [r[2] for r in rows], [r[1] for r in rows], [r[4] for r in rows])
+        rewards = self.reward.many(g.texts, [r[2] for r in rows], [r[1] for r in rows], [r[4] for r in rows])
         reward_s = time.perf_counter() - t_reward
         records = [
             SampleRecord(
                 run_id=spec.run_id,
                 iteration=chunk.iteration,
-                policy_version=started_version,
+                policy_version=g.version,
                 group_id=f"{chunk.iteration}-{pid}",
                 prompt_id=pid,
                 sample_index=j,
@@ -344,57 +361,57 @@ class _Worker:
                 response_text=text,
                 worker=self.id,
                 seed=s.seed,
-                created_at=now,
+                created_at=g.created_at,
             )
-            for (pid, j, s), text, row, reward in zip(samples, texts, rows, rewards, strict=True)
+            for (pid, j, s), text, row, reward in zip(g.samples, g.texts, rows, rewards, strict=True)
         ]
-        gen_tokens = sum(len(s.response_ids) for _, _, s in samples)
+        gen_tokens = sum(len(s.response_ids) for _, _, s in g.samples)
         t1 = time.perf_counter()
         path = (
-            f"{self.lake.iteration_rollouts(spec.run_id, started_version, chunk.iteration)}/"
+            f"{self.lake.iteration_rollouts(spec.run_id, g.version, chunk.iteration)}/"
             f"shard-{self.id}-{chunk.index:05d}.arrow"
         )
         if _orphaned(self.parent):  # the watch thread's period is a window: never publish for a dead run
             os._exit(0)
         checksum = write_shard(self.lake, spec.run_id, path, records, compression=spec.compression)
         t2 = time.perf_counter()
-        return {
+        info = {
             "path": path,
             "checksum": checksum,
-            "groups": len(groups),
+            "groups": g.n_groups,
             "worker": self.id,
             "iteration": chunk.iteration,
             "gen_tokens": gen_tokens,
-            "gen_s": t1 - t0,  # generation and scoring
+            # generation and scoring; with overlap, from the previous shard's write where that came later (the time
+            # this chunk generated beside that shard's scoring is counted there)
+            "gen_s": t1 - max(g.started, busy_from or g.started),
             "reward_s": reward_s,  # of which scoring
             "storage_s": t2 - t1,
             "published_at": time.time(),
         }
+        return info, t2
 
     def iterate(self, version: int, source: str | SharedWeights, work) -> dict:
         """Sync / periodic: load `version`, drain the iteration's chunks up to a stop marker."""
         self.load_s = 0.0
         self.load(version, source)
-        busy = storage_s = 0.0
-        shards = []
-        while True:
-            chunk = work.get()
-            if chunk == _STOP:
-                break
-            if chunk.version != self.version:
-                raise RuntimeError(f"chunk of version {chunk.version} sent to a worker holding {self.version}")
-            info = self.generate_chunk(chunk)
-            busy += info["gen_s"]
-            storage_s += info["storage_s"]
-            shards.append(info)
-        return {"shards": shards, "busy_s": busy, "storage_s": storage_s, "load_s": self.load_s}
+        with _Publisher(self) as publisher:
+            while True:
+                publisher.check()  # a shard that failed beside the last generation: before taking another chunk
+                chunk = work.get()
+                if chunk == _STOP:
+                    break
+                if chunk.version != self.version:
+                    raise RuntimeError(f"chunk of version {chunk.version} sent to a worker holding {self.version}")
+                publisher.put(self.generate(chunk))
+        return {"shards": publisher.shards, **publisher.totals(), "load_s": self.load_s}
 
-    def _drain_commands(self, block: bool = False) -> None:
+    def _drain_commands(self, block: bool = False, timeout: float | None = None) -> None:
         """Take commands off the queue: the newest announced version wins (`pending`); "stop" / "exit" end serving.
-        With `block`, wait for at least one command."""
+        With `block`, wait for at least one command (up to `timeout` seconds, if given)."""
         while True:
             try:
-                cmd = self.commands.get() if block else self.commands.get_nowait()
+                cmd = self.commands.get(timeout=timeout) if block else self.commands.get_nowait()
             except queue.Empty:
                 return
             if cmd[0] == "version":
@@ -419,42 +436,122 @@ class _Worker:
         self.load_s = 0.0
         self.load(version, ckpt_path)
         self.serving = True
-        busy = storage_s = 0.0
-        n_shards = 0
+        abandoned = {}
 
         def poll_update() -> int | None:
             self._drain_commands()
             return self.version if self._load_pending() else None
 
-        while True:
-            self._drain_commands()
-            if not self.serving:
-                break
-            try:
-                chunk = work.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if chunk == _STOP:
-                continue
-            self._drain_commands()  # an announcement that came while waiting for the chunk
-            self._load_pending()
-            while self.version < chunk.iteration - max_staleness:  # admission control
-                self._drain_commands(block=True)
+        with _Publisher(self, on_published=lambda info: results.put(("shard", info))) as publisher:
+            while True:
+                self._drain_commands()
                 if not self.serving:
-                    return {
-                        "shards": n_shards,
-                        "busy_s": busy,
-                        "storage_s": storage_s,
-                        "load_s": self.load_s,
-                        "abandoned_chunk": chunk.index,
-                    }
+                    break
+                publisher.check()  # a shard that failed beside generation ends serving with its error at once
+                try:
+                    chunk = work.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if chunk == _STOP:
+                    continue
+                self._drain_commands()  # an announcement that came while waiting for the chunk
                 self._load_pending()
-            info = self.generate_chunk(chunk, poll_update if interrupt else None)
-            busy += info["gen_s"]
-            storage_s += info["storage_s"]
-            n_shards += 1
-            results.put(("shard", info))
-        return {"shards": n_shards, "busy_s": busy, "storage_s": storage_s, "load_s": self.load_s}
+                while self.version < chunk.iteration - max_staleness:  # admission control
+                    # waiting for a version whose batch needs the shard in flight: a failure of that shard is raised
+                    # here (the version would never come), so the wait wakes up to look
+                    self._drain_commands(block=True, timeout=0.1)
+                    if not self.serving:
+                        abandoned = {"abandoned_chunk": chunk.index}
+                        break
+                    publisher.check()
+                    self._load_pending()
+                if abandoned:
+                    break
+                publisher.put(self.generate(chunk, poll_update if interrupt else None))
+        return {"shards": len(publisher.shards), **publisher.totals(), "load_s": self.load_s, **abandoned}
+
+
+@dataclass
+class _Generated:
+    """A chunk generated and decoded, to be scored and published."""
+
+    chunk: Chunk
+    version: int  # the weights it started on
+    n_groups: int
+    samples: list  # (prompt_id, sample index, engine sample)
+    texts: list[str]  # the responses decoded
+    created_at: datetime
+    started: float  # perf_counter at the chunk's start
+
+
+class _Publisher:
+    """Scores and publishes a worker's generated chunks as shards, in the order generated. With the spec's
+    `overlap_scoring`, on one thread beside the worker's generation: the worker generates chunk k + 1 while chunk k
+    is scored and written; at most one chunk waits to be scored (`put` waits for the one before). An error of a
+    shard in flight is raised by the next `put`, `check` or on leaving; a worker leaving on its own error first waits for the
+    shard in flight, so that nothing is written after the worker reported its failure."""
+
+    def __init__(self, worker: _Worker, on_published=None):
+        self.worker, self.on_published = worker, on_published
+        self.shards: list[dict] = []
+        self._written: float | None = None  # perf_counter at which the last shard was written
+        self._thread = None
+        if worker.spec.overlap_scoring:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"scoring-{worker.id}")
+        self._pending = None
+
+    def put(self, generated: _Generated) -> None:
+        if self._thread is None:
+            self._publish(generated)
+            return
+        self.wait()
+        self._pending = self._thread.submit(self._publish, generated)
+
+    def _publish(self, generated: _Generated) -> None:
+        info, self._written = self.worker.publish(generated, self._written)
+        self.shards.append(info)
+        if self.on_published is not None:
+            self.on_published(info)
+
+    def wait(self) -> None:
+        """Until the shard in flight is written; its error, if it failed."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.result()
+        finally:
+            if pending.done():  # settled, its error raised once; an interrupted wait leaves it for the next
+                self._pending = None
+
+    def check(self) -> None:
+        """The error of the shard in flight if it has failed already; nothing while it runs."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
+
+    def totals(self) -> dict:
+        return {"busy_s": sum(i["gen_s"] for i in self.shards), "storage_s": sum(i["storage_s"] for i in self.shards)}
+
+    def __enter__(self) -> _Publisher:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        try:
+            if error is None:
+                self.wait()
+            else:
+                try:
+                    self.wait()
+                except BaseException as second:  # noted on the error being raised (`add_note`, Python 3.11+)
+                    error.__notes__ = [
+                        *getattr(error, "__notes__", []),
+                        f"the shard scored beside it failed too: {second!r}",
+                    ]
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
 
 
 def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, parent: int) -> None:  # in the child

@@ -93,28 +93,33 @@ def score(response, answer, prompt, accepted, weight):
 
 
 EXTRA_REWARD_BATCHED = """
-import json, os, time
+import json, os, threading, time
 
 def score(responses, answers, prompts, accepted, weight):
-    # as `score` above, for lists: each call is logged with its length, and each response's value; 0.1 s a call
+    # as `score` above, for lists: each call is logged with its length, its thread, and each response's value; 0.1 s
+    # a call
     time.sleep(0.1)
     values = [float(r.strip() in [a, *acc]) + w for r, a, acc, w in zip(responses, answers, accepted, weight)]
+    thread = threading.current_thread().name
     with open(os.path.join(os.environ["LOCKSTEP_TEST_REWARD_LOG"], f"{os.getpid()}.jsonl"), "a") as f:
         for p, acc, w, v in zip(prompts, accepted, weight, values):
-            row = {"prompt": p, "accepted": acc, "weight": w, "value": v, "call_of": len(responses)}
+            row = {"prompt": p, "accepted": acc, "weight": w, "value": v, "call_of": len(responses), "thread": thread}
             f.write(json.dumps(row) + "\\n")
     return values
 """
 
 
-@pytest.mark.parametrize("batch", [False, True], ids=["one-at-a-time", "batched"])
+@pytest.mark.parametrize(
+    "batch, overlap", [(False, False), (True, False), (True, True)], ids=["one-at-a-time", "batched", "batched-beside"]
+)
 def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_evaluation(
-    tmp_path, monkeypatch, batch
+    tmp_path, monkeypatch, batch, overlap
 ):
     """`task.dataset.extra_fields: [accepted, weight]`: every stored reward, made in a spawned rollout worker, and
     every held-out score, made in this process, is the function of that prompt's own row. Batched
     (`task.reward_batch`), the same with one call per shard's responses (2 groups of 4) in the workers, and one per
-    evaluation of the 8 held-out prompts."""
+    evaluation of the 8 held-out prompts; with `pipeline.overlap_scoring` too, the workers call it on their scoring
+    thread, beside generation."""
     import random
 
     rng = random.Random(0)
@@ -139,6 +144,7 @@ def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_
         "run.iterations": 1,
         "bootstrap.steps": 10,
         "task.reward_batch": batch,
+        "pipeline.overlap_scoring": overlap,
     }
     summary = train_flow(config_path=write_config(tmp_path, "extra", overrides))
 
@@ -163,6 +169,8 @@ def test_a_dataset_runs_extra_fields_reach_the_users_function_in_workers_and_in_
     assert len(held_out) == 2 * 8  # v0 and v1, 8 held-out prompts each
     if batch:  # a worker's call scores a shard's 8 responses, an evaluation's the 8 held-out answers
         assert {c["call_of"] for made in calls.values() for c in made} == {8}
+        in_workers = {c["thread"] for pid, made in calls.items() if pid != os.getpid() for c in made}
+        assert in_workers == ({"scoring-0_0"} if overlap else {"MainThread"})
         # the iteration's 4 shards, 0.1 s a call: the scoring time the one rollout worker reports, inside its busy time
         (fig,) = summary["history"]
         assert 0.4 <= fig["time/reward_s"] <= fig["time/rollout_busy_s"]

@@ -1131,6 +1131,13 @@ def test_a_batched_reward_is_a_users_function_and_reaches_its_loader():
         ), message
 
 
+def test_scoring_beside_generation_is_off_by_default_and_a_bool():
+    assert load_config(None, []).pipeline.overlap_scoring is False
+    assert load_config(None, ["pipeline.overlap_scoring=true"]).pipeline.overlap_scoring is True
+    message = load_error(None, ["pipeline.overlap_scoring=sometimes"])
+    assert "pipeline.overlap_scoring" in message and "bool" in message, message
+
+
 def test_a_reward_time_limit_is_positive_and_named_inert_for_a_builtin_reward():
     from configs.schema import inert_settings
 

@@ -29,6 +29,18 @@ def test_math_verify_reads_the_response_not_the_reference():
     assert score("8", "7", prompt="what is 3 + 4?") == 0.0
 
 
+def test_math_verify_scores_on_a_thread_too():
+    """A rollout worker's scoring thread (`pipeline.overlap_scoring`): math-verify's signal-based limits work on the
+    main thread only, and a thread gets the same scores without them instead of math-verify's ValueError."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    score = reward_function("math_verify")
+    cases = [("\\boxed{5} then #### 7", "7"), ("0.5", "1/2"), ("8", "7"), ("x = 2", "\\frac{4}{2}")]
+    with ThreadPoolExecutor(1) as thread:
+        on_thread = list(thread.map(lambda c: score(*c), cases))
+    assert on_thread == [score(*c) for c in cases] == [1.0, 1.0, 0.0, 1.0]
+
+
 @pytest.mark.parametrize("kind", ["Arithmetic", "math-verify", "exact", "", "rewards.py", "mod:", ":fn", "a b:fn"])
 def test_a_kind_that_is_neither_built_in_nor_a_function_is_named_with_the_forms(kind):
     with pytest.raises(RewardError) as e:

@@ -282,7 +282,8 @@ def test_iterate_reports_its_own_iterations_figures(worker, monkeypatch):  # noq
         gen_s, storage_s = next(figures)
         return {"gen_s": gen_s, "storage_s": storage_s, "path": f"p{chunk.index}"}
 
-    monkeypatch.setattr(worker, "generate_chunk", generate)
+    monkeypatch.setattr(worker, "generate", generate)  # its info stands for the generated chunk, published as it is
+    monkeypatch.setattr(worker, "publish", lambda info, busy_from=None: (info, 0.0))
     work = queue.Queue()
     for item in (Chunk(0, 1, 0, (0,)), Chunk(0, 1, 1, (1,)), _STOP):
         work.put(item)

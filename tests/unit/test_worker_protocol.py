@@ -75,7 +75,7 @@ def test_a_chunk_of_another_version_is_refused_and_publishes_nothing(worker):
 
 class Served:
     """`serve` on a thread with chunk generation recorded as (batch, version held when it started) (or by
-    `generate`) and checkpoint loads as no-ops; the test drives it through the work and command queues, and `stop`
+    `generate`), publishing as a no-op and checkpoint loads as no-ops; the test drives it through the work and command queues, and `stop`
     returns what `serve` returned."""
 
     def __init__(self, worker: _Worker, monkeypatch, max_staleness: int, interrupt: bool = False, generate=None):
@@ -85,7 +85,8 @@ class Served:
             self.log.append((chunk.iteration, worker.version))
             return {"gen_s": 0.0, "storage_s": 0.0, "path": "unused"}
 
-        monkeypatch.setattr(worker, "generate_chunk", generate or logged)
+        monkeypatch.setattr(worker, "generate", generate or logged)  # its info stands for the generated chunk,
+        monkeypatch.setattr(worker, "publish", lambda info, busy_from=None: (info, 0.0))  # "published" as it is
         monkeypatch.setattr(checkpoints, "load_weights", lambda lake, source, checked=True: None)
         monkeypatch.setattr(checkpoints, "load_into", lambda model, state: None)
 
