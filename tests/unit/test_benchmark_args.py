@@ -69,10 +69,21 @@ def bench(module: str, *args: str, env: dict, timeout: float = 60) -> subprocess
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-@pytest.mark.parametrize(
-    "module",
-    ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage", "startup", "catalog", "rewards"],
-)
+# the benchmarks whose --help and unknown flags are checked below
+ARGPARSE_BENCHMARKS = [
+    "objectives",
+    "shared_prompt",
+    "resume",
+    "data_parallel",
+    "zero_advantage",
+    "startup",
+    "catalog",
+    "rewards",
+    "scoring",
+]
+
+
+@pytest.mark.parametrize("module", ARGPARSE_BENCHMARKS)
 def test_help_prints_usage_and_runs_nothing(module, env):
     t0 = time.perf_counter()
     r = bench(module, "--help", env=env)
@@ -83,10 +94,7 @@ def test_help_prints_usage_and_runs_nothing(module, env):
     assert not _marked(env[MARKER]) and not os.listdir(env["TMPDIR"])  # no training run, no work directory
 
 
-@pytest.mark.parametrize(
-    "module",
-    ["objectives", "shared_prompt", "resume", "data_parallel", "zero_advantage", "startup", "catalog", "rewards"],
-)
+@pytest.mark.parametrize("module", ARGPARSE_BENCHMARKS)
 def test_unknown_flag_exits_2(module, env):
     r = bench(module, "--iterationz", "3", env=env)
     assert r.returncode == 2
@@ -125,6 +133,10 @@ def test_unknown_flag_exits_2(module, env):
         ("startup", ["--against", "/"], "--against /: not a checkout of lockstep (no flows/cli.py there)"),
         ("rewards", ["--groups", "4", "--shard", "33"], "--shard 33: must be in [1, 32]"),
         ("rewards", ["--device", "nowhere"], "--device nowhere: "),
+        ("scoring", ["--latency-ms", "-1"], "--latency-ms -1.0: must be in [0, 10000]"),
+        ("scoring", ["--latency-ms", "nan"], "--latency-ms nan: must be in [0, 10000]"),
+        ("scoring", ["--repeats", "0"], "--repeats 0: must be in [1, 100]"),
+        ("scoring", ["--judge", "oracle"], "argument --judge: invalid choice: 'oracle'"),
         ("catalog", ["--window", "0"], "--window 0: must be in [1, 1500]"),
         ("catalog", ["--iterations", "10", "--window", "11"], "--window 11: must be in [1, 10]"),
         ("catalog", ["--samples", "4"], "--samples 4: must be at least 8"),
@@ -135,7 +147,7 @@ def test_unknown_flag_exits_2(module, env):
     ],
 )
 def test_bad_number_exits_2_naming_the_flag(module, args, message, env, tmp_path):
-    work = ["--dir", str(tmp_path / "work")] if module in ("pipeline", "a3po", "zero_advantage") else []
+    work = ["--dir", str(tmp_path / "work")] if module in ("pipeline", "a3po", "zero_advantage", "scoring") else []
     r = bench(module, *args, *work, env=env)
     assert r.returncode == 2, r.stderr
     assert f"error: {message}" in r.stderr and "Traceback" not in r.stderr
@@ -143,7 +155,7 @@ def test_bad_number_exits_2_naming_the_flag(module, args, message, env, tmp_path
     assert not _marked(env[MARKER])
 
 
-@pytest.mark.parametrize("module", ["pipeline", "a3po", "zero_advantage"])
+@pytest.mark.parametrize("module", ["pipeline", "a3po", "zero_advantage", "scoring"])
 @pytest.mark.parametrize(
     ("where", "reason"), [("file", "exists and is not a directory"), ("file/sub", "cannot create {}: Not a directory")]
 )
