@@ -407,7 +407,8 @@ class PipelineSection(_Section):
         "beside it while it generates its next chunk, instead of generating, scoring and writing in turn: a slow "
         "reward (a remote judge, a reward model) hides behind generation. The same shards, in the same order "
         "(README: 'Scoring beside generation'). Off by default because, when on, the reward runs off the worker's "
-        "main thread, where a function that sets signal handlers fails (math-verify's own time limits).",
+        "main thread, where a user's function that sets signal handlers fails (math-verify called with its default "
+        "time limits does; the built-in math_verify runs there without them).",
     )
     catalog: bool = Field(True, description="Index every trained sample and shard in the run's LanceDB catalog.")
     catalog_compact_every: int = Field(

@@ -459,7 +459,7 @@ class _Worker:
                 while self.version < chunk.iteration - max_staleness:  # admission control
                     # waiting for a version whose batch needs the shard in flight: a failure of that shard is raised
                     # here (the version would never come), so the wait wakes up to look
-                    self._drain_commands(block=True, timeout=0.1)
+                    self._drain_commands(block=True, timeout=0.1 if self.spec.overlap_scoring else None)
                     if not self.serving:
                         abandoned = {"abandoned_chunk": chunk.index}
                         break
@@ -544,7 +544,7 @@ class _Publisher:
             else:
                 try:
                     self.wait()
-                except BaseException as second:  # noted on the error being raised (`add_note`, Python 3.11+)
+                except Exception as second:  # a note on the error being raised (tracebacks print notes from 3.11)
                     error.__notes__ = [
                         *getattr(error, "__notes__", []),
                         f"the shard scored beside it failed too: {second!r}",
