@@ -49,6 +49,17 @@ REWARD_FILE = textwrap.dedent(
 )
 
 
+def write_reward_model(tmp: str, tok, tiny: dict, device: str) -> Path:
+    """The reward model (architecture `tiny`, untrained, seed 1) saved under `tmp` as an HF directory, and the user's
+    file that loads it onto `device`, with `score` and `score_batch`; returns the file's path."""
+    from models.tiny import build_tiny_model, save_hf
+
+    model_dir = save_hf(build_tiny_model(len(tok), **tiny, seed=1), tok, Path(tmp) / "reward-model")
+    path = Path(tmp) / "reward_model.py"
+    path.write_text(REWARD_FILE.format(model_dir=str(model_dir), device=device))
+    return path
+
+
 def main() -> None:
     ap = parser("benchmarks.rewards", __doc__)
     ap.add_argument("--groups", type=int, default=32, help="prompts of the iteration, 8 responses each (default 32)")
@@ -76,7 +87,6 @@ def main() -> None:
     if device.type == "meta":
         ap.error(f"--device {args.device}: a meta tensor holds no values to score with")
     from models.rewards import reward_function
-    from models.tiny import build_tiny_model, save_hf
 
     torch.set_num_threads(args.threads)
     model, tok, ids, groups = demo_model_and_groups(n_groups=args.groups, group_size=8)
@@ -85,11 +95,9 @@ def main() -> None:
     answers = [""] * len(responses)  # the reward model reads prompt + response; no reference answer
     extras = [{}] * len(responses)
     with work_dir(None) as tmp:
-        judge = build_tiny_model(len(tok), **cfg.model.tiny.model_dump(), seed=1)
-        model_dir = save_hf(judge, tok, Path(tmp) / "reward-model")
-        (Path(tmp) / "reward_model.py").write_text(REWARD_FILE.format(model_dir=str(model_dir), device=args.device))
-        one = reward_function(f"{tmp}/reward_model.py:score")
-        batched = reward_function(f"{tmp}/reward_model.py:score_batch", batch=True)
+        path = write_reward_model(tmp, tok, cfg.model.tiny.model_dump(), args.device)
+        one = reward_function(f"{path}:score")
+        batched = reward_function(f"{path}:score_batch", batch=True)
         shards = [slice(i, i + args.shard) for i in range(0, len(responses), args.shard)]
 
         def one_at_a_time() -> list[float]:

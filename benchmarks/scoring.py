@@ -49,15 +49,11 @@ def judge_overrides(judge: str, latency_ms: float, tmp: str) -> dict:
         path = Path(tmp) / "remote_judge.py"
         path.write_text(REMOTE_FILE.format(latency_s=latency_ms / 1000))
         return {"task.reward": f"{path}:judge"}
-    from benchmarks.rewards import REWARD_FILE
+    from benchmarks.rewards import write_reward_model
     from configs.schema import Config
-    from models.tiny import build_char_tokenizer, build_tiny_model, save_hf
+    from models.tiny import build_char_tokenizer
 
-    tok = build_char_tokenizer()
-    model = build_tiny_model(len(tok), **Config().model.tiny.model_dump(), seed=1)
-    model_dir = save_hf(model, tok, Path(tmp) / "reward-model")
-    path = Path(tmp) / "reward_model.py"
-    path.write_text(REWARD_FILE.format(model_dir=str(model_dir), device="cpu"))
+    path = write_reward_model(tmp, build_char_tokenizer(), Config().model.tiny.model_dump(), "cpu")
     return {"task.reward": f"{path}:score_batch", "task.reward_batch": True}
 
 
