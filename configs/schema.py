@@ -388,6 +388,12 @@ class TrainSection(_Section):
         "term has a gradient there). Token-averaged figures (entropy/mean, clip/fraction...) are then over the "
         "groups trained.",
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Gradient checkpointing: the policy's decoder layers keep only their inputs in the forward pass "
+        "and recompute their activations in the backward, for one more forward pass of the layers per micro-step. "
+        "The same gradient; less memory where activations, not weights, fill it (long packed micro-batches).",
+    )
 
 
 class PipelineSection(_Section):

@@ -112,11 +112,40 @@ def disable_dropout(model: torch.nn.Module) -> int:
     return changed
 
 
+def check_checkpointing(model: torch.nn.Module) -> None:
+    """Raise ValueError, naming the setting, unless `model` can checkpoint its layers (a transformers model whose
+    class supports it: most causal LMs; in transformers 5.25 not CTRL, OpenAI GPT, XLNet, XLM, Reformer and a few
+    more)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"train.activation_checkpointing: the model ({type(model).__name__}) does not support activation "
+            "checkpointing (its transformers class has supports_gradient_checkpointing = False): set "
+            "train.activation_checkpointing=false"
+        )
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them from the forward
+    (gradient checkpointing): the layers' saved activations drop to their inputs, for one more forward pass of the
+    layers per micro-step. The gradient is the same; on CPU bit for bit (`tests/unit/test_activation_checkpointing.py`:
+    the recomputation repeats the forward's operations, and torch restores the forward's random state for dropout).
+    Non-reentrant `torch.utils.checkpoint` (the reentrant kind needs an input that requires grad). Applies in train
+    mode only: the engine's, the reference's and the proximal model's no-grad passes are unchanged."""
+    check_checkpointing(model)
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.25's name; the older one warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 class PolicyTrainer:
     """Owns the policy, the frozen reference and the optimizer; the loss math lives in `models.objectives`.
 
     Unless `keep_dropout`, the policy's and the reference's dropout is turned off (`disable_dropout`): the engine
-    samples without it, so with it the first log-ratio of an on-policy batch would be noise instead of 0."""
+    samples without it, so with it the first log-ratio of an on-policy batch would be noise instead of 0.
+    `activation_checkpointing`: the policy's layers recompute their activations in the backward pass
+    (`enable_activation_checkpointing`)."""
 
     def __init__(
         self,
@@ -131,6 +160,7 @@ class PolicyTrainer:
         pad_token_id: int = 0,
         shared_prompt: bool = False,
         keep_dropout: bool = False,
+        activation_checkpointing: bool = False,
     ):
         self.model = model
         self.ref_model = ref_model
@@ -152,6 +182,9 @@ class PolicyTrainer:
         self.prox_version: int | None = None  # the version prox_model holds (None: none yet)
         if self.loss.decoupled and self.loss.prox_logp in ("recompute", "metrics"):
             self.prox_model = copy.deepcopy(model).requires_grad_(False).eval()
+        self.activation_checkpointing = activation_checkpointing
+        if activation_checkpointing:  # the policy's backward only (the proximal copy above runs without grad)
+            enable_activation_checkpointing(model)
         self._batch_version: int | None = None
         self._reset_accumulators()
 

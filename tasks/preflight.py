@@ -75,6 +75,29 @@ def check_model_path(path: str) -> None:
         raise InputError(f"model.path {path!r} (Hugging Face cache): {e}") from None
 
 
+def check_model_checkpointing(cfg: Config) -> None:
+    """With `train.activation_checkpointing`, `model.path`'s class must support it (built on the meta device: no
+    memory, no weights read); the trainer refused it only after the run's config was frozen, so the run could never
+    resume. The built-in tiny models (qwen2, llama) support it."""
+    if not cfg.train.activation_checkpointing:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models.trainer import check_checkpointing
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.path)
+    except Exception:  # a hub id not in the cache, online: from_pretrained fetches it later (check_model_path)
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        check_checkpointing(model)
+    except ValueError as e:
+        raise InputError(f"model.path {cfg.model.path!r}: {e}") from None
+
+
 def check_dataset(cfg: Config) -> None:
     """`task.dataset.uri` (and `eval_uri`) open in their format and their first row reads."""
     from storage.datasets import DatasetError, check_readable
@@ -215,6 +238,7 @@ def check_inputs(cfg: Config) -> None:
         raise InputError(f"lake.uri: {e}") from None
     if cfg.model.path is not None:
         check_model_path(cfg.model.path)
+        check_model_checkpointing(cfg)
     if cfg.task.kind == "dataset":
         check_dataset(cfg)
 

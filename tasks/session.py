@@ -559,6 +559,7 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
         pad_token_id=tokenizer.pad_token_id,
         shared_prompt=cfg.train.shared_prompt,
         keep_dropout=not cfg.trainer.disable_dropout,
+        activation_checkpointing=cfg.train.activation_checkpointing,
     )
 
 

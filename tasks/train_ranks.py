@@ -68,6 +68,7 @@ class RankSpec:
     lr: float
     keep_dropout: bool
     shard_optimizer: bool = False
+    activation_checkpointing: bool = False
 
 
 def _rank_device(device_type: str, rank: int) -> torch.device:
@@ -110,6 +111,7 @@ def _build_replica(spec: RankSpec, device: torch.device) -> PolicyTrainer:
         pad_token_id=spec.pad_token_id,
         shared_prompt=spec.shared_prompt,
         keep_dropout=spec.keep_dropout,
+        activation_checkpointing=spec.activation_checkpointing,
     )
 
 
@@ -254,6 +256,7 @@ class DataParallelTrainer(PolicyTrainer):
             lr=self.peak_lr,
             keep_dropout=self.keep_dropout,
             shard_optimizer=shard_optimizer,
+            activation_checkpointing=self.activation_checkpointing,
         )
         self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False, timeout=timedelta(seconds=60))
         from tasks.workers import sigint_ignored

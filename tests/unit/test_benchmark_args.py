@@ -80,6 +80,7 @@ ARGPARSE_BENCHMARKS = [
     "catalog",
     "rewards",
     "scoring",
+    "checkpointing",
 ]
 
 
@@ -137,6 +138,8 @@ def test_unknown_flag_exits_2(module, env):
         ("scoring", ["--latency-ms", "nan"], "--latency-ms nan: must be in [0, 10000]"),
         ("scoring", ["--repeats", "0"], "--repeats 0: must be in [1, 100]"),
         ("scoring", ["--judge", "oracle"], "argument --judge: invalid choice: 'oracle'"),
+        ("checkpointing", ["--repeats", "0"], "--repeats 0: must be in [1, 100]"),
+        ("checkpointing", ["--threads", "0"], "--threads 0: must be at least 1"),
         ("catalog", ["--window", "0"], "--window 0: must be in [1, 1500]"),
         ("catalog", ["--iterations", "10", "--window", "11"], "--window 11: must be in [1, 10]"),
         ("catalog", ["--samples", "4"], "--samples 4: must be at least 8"),

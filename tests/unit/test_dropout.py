@@ -13,7 +13,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from configs.schema import Config, frozen_config, load_config, resolved_json
-from models.trainer import PolicyTrainer, disable_dropout
+from models.trainer import LossSettings, PolicyTrainer, disable_dropout
 from tasks.session import build_trainer
 from tasks.train_ranks import RankSpec, _build_replica
 from tests.unit.test_trainer_step import _group, _with_behaviour
@@ -77,11 +77,9 @@ def test_an_on_policy_batch_trains_on_the_log_probs_it_was_sampled_with():
     assert _mismatch(keep_dropout=True) > 1e-2  # with dropout kept, the same batch's log-ratios are noise
 
 
-def test_the_reference_and_the_ranks_replicas_have_none_either():
-    model, ref = _llama(), _llama()
-    PolicyTrainer(model, ref, lr=1e-3)
-    assert disable_dropout(ref) == 0
-    spec = RankSpec(
+def replica_spec(model: torch.nn.Module, **fields) -> RankSpec:
+    """What a data-parallel rank builds its replica of `model` from (with a reference), on CPU; `fields` override."""
+    base = dict(
         model_class=type(model),
         model_config=model.config,
         attn_implementation="sdpa",
@@ -90,12 +88,20 @@ def test_the_reference_and_the_ranks_replicas_have_none_either():
         device_type="cpu",
         threads=1,
         has_ref=True,
-        loss=PolicyTrainer(_llama(), None, lr=1e-3).loss,
+        loss=LossSettings(),
         pad_token_id=0,
         shared_prompt=False,
         lr=1e-3,
         keep_dropout=False,
     )
+    return RankSpec(**{**base, **fields})
+
+
+def test_the_reference_and_the_ranks_replicas_have_none_either():
+    model, ref = _llama(), _llama()
+    PolicyTrainer(model, ref, lr=1e-3)
+    assert disable_dropout(ref) == 0
+    spec = replica_spec(model)
     replica = _build_replica(spec, torch.device("cpu"))
     assert disable_dropout(replica.model) == 0 and disable_dropout(replica.ref_model) == 0
     kept = _build_replica(RankSpec(**{**spec.__dict__, "keep_dropout": True}), torch.device("cpu"))
