@@ -7,9 +7,11 @@ the backward of its numerator; no reference, no optimizer step). Figures:
 
 - `step_s_off`, `step_s_on`: median micro-step time, the two trainers' steps interleaved (off, on, off, on, ...) in one
   process after one warm-up step each, so both see the same background load; `slowdown` = on / off;
-- `added_mb_off`, `added_mb_on`: what one micro-step added to the peak resident memory of a fresh process that built
-  the model, the trainer and the group (`getrusage(RUSAGE_SELF).ru_maxrss` after the step minus before it: the
-  activations kept for the backward, the gradients and the backward's own buffers); `memory_ratio` = on / off;
+- `added_mb_off`, `added_mb_on`: what one micro-step added to the resident memory of a fresh process that built
+  the model, its trainer and the group: the peak during the step (`VmHWM`, reset through `/proc/self/clear_refs`
+  just before it) minus the resident memory then (`VmRSS`, once the C heap's free pages were given back with
+  `malloc_trim`, so that the step cannot reuse freed memory unseen). That is the activations kept for the backward,
+  the gradients, the backward's own buffers and a first step's one-time buffers; `memory_ratio` = on / off;
 - `grad_max_abs_diff`: the largest difference between the two trainers' gradients of the same micro-batch (0.0: the
   same gradient), beside its control `grad_max_abs_diff_rerun`: the same between two micro-steps of the trainer
   without checkpointing on that micro-batch. With more than one thread torch's CPU backward is not bit-reproducible
@@ -17,16 +19,17 @@ the backward of its numerator; no reference, no optimizer step). Figures:
   in parallel); with one thread both are 0.0.
 
 Every memory figure comes from its own process forked from a fork server that imported torch and transformers once;
-the timings from one more per line. One at a time, each with `--threads` torch threads (default 2: this machine's
-cores). Prints one JSON line per point, then a summary line.
+the timings from one more per line, where the modes alternate in ABBA order. One at a time, each with `--threads`
+torch threads (default 2: this machine's cores). Prints one JSON line per point, then a summary line. Linux only
+(`/proc/self/status`).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.checkpointing [--threads 2] [--repeats 5]
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
-import resource
 import statistics
 
 from benchmarks.common import check_range, emit, median_time, parser
@@ -44,8 +47,13 @@ POINTS = (  # (model, P, R, G)
 MAX_POSITIONS = 4096
 
 
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports kilobytes
+def _status_mb(field: str) -> float:
+    """`VmRSS` or `VmHWM` of this process in MB (/proc reports kB)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _setup(model_name: str, P: int, R: int, G: int, threads: int, modes: tuple[bool, ...]):
@@ -69,7 +77,7 @@ def _setup(model_name: str, P: int, R: int, G: int, threads: int, modes: tuple[b
     group = RolloutGroup(ids[:P], responses, rewards, [[-1.0] * R] * G, [[0] * R] * G)
     trainers = {
         on: PolicyTrainer(
-            copy.deepcopy(model),
+            copy.deepcopy(model) if len(modes) > 1 else model,  # one mode: no freed copy for the step to reuse
             None,
             lr=1e-4,
             pad_token_id=tok.pad_token_id,
@@ -95,8 +103,9 @@ def _time_point(point: tuple, threads: int, repeats: int) -> dict:
         grads.append([p.grad.clone() for p in trainers[mode].model.parameters()])
     diff, rerun = (max(float((a - b).abs().max()) for a, b in zip(grads[0], other, strict=True)) for other in grads[1:])
     times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(repeats):
-        for mode, trainer in trainers.items():
+    for i in range(repeats):
+        for mode in (False, True) if i % 2 == 0 else (True, False):  # ABBA: neither always steps first
+            trainer = trainers[mode]
             trainer.optimizer.zero_grad(set_to_none=True)
             times[mode].append(median_time(lambda t=trainer: _step(t, group), repeats=1, warmup=0))
     return {"times": times, "diff": diff, "rerun": rerun}
@@ -104,10 +113,16 @@ def _time_point(point: tuple, threads: int, repeats: int) -> dict:
 
 def _added_rss(point: tuple, threads: int, on: bool) -> float:
     """MB one micro-step added to the peak RSS of a fresh process holding one trainer (`on`) and the group."""
+    from storage.catalog import release_heap
+
     trainers, group = _setup(*point, threads, (on,))
-    base = _rss_mb()
+    gc.collect()
+    release_heap()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the resident memory now
+    base = _status_mb("VmRSS")
     _step(trainers[on], group)
-    return _rss_mb() - base
+    return _status_mb("VmHWM") - base
 
 
 def main() -> None:
@@ -118,7 +133,9 @@ def main() -> None:
     check_range(ap, "--threads", args.threads, 1)
     check_range(ap, "--repeats", args.repeats, 1, 100)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "models.tiny", "models.trainer", "configs.schema"])
+    ctx.set_forkserver_preload(
+        ["torch", "transformers", "models.tiny", "models.trainer", "configs.schema", "storage.catalog"]
+    )
     summary = []
     for point in POINTS:
         with ctx.Pool(1, maxtasksperchild=1) as pool:  # a fresh process per measurement
@@ -141,7 +158,7 @@ def main() -> None:
             "slowdown": round(on_s / off_s, 3),
             "added_mb_off": round(added[False], 1),
             "added_mb_on": round(added[True], 1),
-            "memory_ratio": round(added[True] / added[False], 3) if added[False] > 0 else None,
+            "memory_ratio": round(added[True] / added[False], 3),
             "grad_max_abs_diff": timing["diff"],
             "grad_max_abs_diff_rerun": timing["rerun"],
             "repeats": args.repeats,

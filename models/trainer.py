@@ -112,13 +112,14 @@ def disable_dropout(model: torch.nn.Module) -> int:
     return changed
 
 
-def check_checkpointing(model: torch.nn.Module) -> None:
-    """Raise ValueError, naming the setting, unless `model` can checkpoint its layers (a transformers model whose
-    class supports it: most causal LMs; in transformers 5.25 not CTRL, OpenAI GPT, XLNet, XLM, Reformer and a few
-    more)."""
+def check_checkpointing(model: torch.nn.Module | type) -> None:
+    """Raise ValueError, naming the setting, unless `model` (or a model class) can checkpoint its layers (a
+    transformers model whose class supports it: most causal LMs; in transformers 5.25 not CTRL, OpenAI GPT, XLNet,
+    XLM, Reformer and a few more)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
+        name = model.__name__ if isinstance(model, type) else type(model).__name__
         raise ValueError(
-            f"train.activation_checkpointing: the model ({type(model).__name__}) does not support activation "
+            f"train.activation_checkpointing: the model ({name}) does not support activation "
             "checkpointing (its transformers class has supports_gradient_checkpointing = False): set "
             "train.activation_checkpointing=false"
         )

@@ -76,26 +76,28 @@ def check_model_path(path: str) -> None:
 
 
 def check_model_checkpointing(cfg: Config) -> None:
-    """With `train.activation_checkpointing`, `model.path`'s class must support it (built on the meta device: no
-    memory, no weights read); the trainer refused it only after the run's config was frozen, so the run could never
-    resume. The built-in tiny models (qwen2, llama) support it."""
-    if not cfg.train.activation_checkpointing:
+    """With `train.activation_checkpointing`, `model.path`'s class must support it (read from its config.json; no
+    model is built, no weights read); the trainer refused it only after the run's config was frozen, so the run could
+    never resume. The built-in tiny models (qwen2, llama) support it. A hub id is judged offline only (HF_HUB_OFFLINE=1,
+    as the CLI sets it: from its cached config), as `check_model_path` judges it; online the trainer judges it."""
+    from storage.lake import hf_offline
+
+    path = cfg.model.path
+    if not cfg.train.activation_checkpointing or path is None or (not os.path.isdir(path) and not hf_offline()):
         return
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from models.trainer import check_checkpointing
 
-    try:
-        config = AutoConfig.from_pretrained(cfg.model.path)
-    except Exception:  # a hub id not in the cache, online: from_pretrained fetches it later (check_model_path)
+    try:  # check_model_path has read this config already: it is there and builds a causal LM
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
+    except (OSError, ValueError, KeyError):  # not a causal LM's config: check_model_path names what is wrong
         return
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
     try:
-        check_checkpointing(model)
+        check_checkpointing(model_class)
     except ValueError as e:
-        raise InputError(f"model.path {cfg.model.path!r}: {e}") from None
+        raise InputError(f"model.path {path!r}: {e}") from None
 
 
 def check_dataset(cfg: Config) -> None:

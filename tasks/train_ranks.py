@@ -71,6 +71,28 @@ class RankSpec:
     activation_checkpointing: bool = False
 
 
+def rank_spec(trainer: PolicyTrainer, threads: int, shard_optimizer: bool) -> RankSpec:
+    """What the other ranks build their replicas of `trainer` (rank 0's) from."""
+    model = trainer.model
+    return RankSpec(
+        model_class=type(model),
+        model_config=model.config,
+        attn_implementation=model.config._attn_implementation,
+        dtypes={name: p.dtype for name, p in model.named_parameters()},
+        trainable={name: p.requires_grad for name, p in model.named_parameters()},
+        device_type=next(model.parameters()).device.type,
+        threads=threads,
+        has_ref=trainer.ref_model is not None,
+        loss=trainer.loss,
+        pad_token_id=trainer.pad_token_id,
+        shared_prompt=trainer.shared_prompt,
+        lr=trainer.peak_lr,
+        keep_dropout=trainer.keep_dropout,
+        shard_optimizer=shard_optimizer,
+        activation_checkpointing=trainer.activation_checkpointing,
+    )
+
+
 def _rank_device(device_type: str, rank: int) -> torch.device:
     """Rank r's device (accelerator r), made the process's current one: NCCL and HCCL build their communicators
     on the current device, which is device 0 in a new process."""
@@ -241,23 +263,7 @@ class DataParallelTrainer(PolicyTrainer):
         self.world = ranks
         self.start_timeout_s = start_timeout_s
         self.reply_timeout_s = reply_timeout_s
-        spec = RankSpec(
-            model_class=type(model),
-            model_config=model.config,
-            attn_implementation=model.config._attn_implementation,
-            dtypes={name: p.dtype for name, p in model.named_parameters()},
-            trainable={name: p.requires_grad for name, p in model.named_parameters()},
-            device_type=device_type,
-            threads=threads,
-            has_ref=ref_model is not None,
-            loss=self.loss,
-            pad_token_id=self.pad_token_id,
-            shared_prompt=self.shared_prompt,
-            lr=self.peak_lr,
-            keep_dropout=self.keep_dropout,
-            shard_optimizer=shard_optimizer,
-            activation_checkpointing=self.activation_checkpointing,
-        )
+        spec = rank_spec(self, threads, shard_optimizer)
         self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False, timeout=timedelta(seconds=60))
         from tasks.workers import sigint_ignored
 
