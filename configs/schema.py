@@ -345,6 +345,17 @@ class AlgorithmSection(_Section):
     is_level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="async: importance weight per token, per sequence, or geometric mean."
     )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO's soft overlong punishment: over the last N tokens before rollout.max_new_tokens a "
+        "response's reward is lowered linearly, by overlong_penalty at max_new_tokens (a response cut there, or "
+        "whose stop token is its last allowed one). The trainer shapes the rewards it takes advantages of; the stored rewards stay the task's. "
+        "null: off.",
+    )
+    overlong_penalty: float = Field(
+        1.0, gt=0.0, le=1000.0, description="What the overlong punishment takes off a reward at max_new_tokens."
+    )
 
 
 class TrainerSection(_Section):
@@ -567,6 +578,13 @@ class Config(_Section):
             raise ValueError(
                 "rollout.interrupt_on_update needs rollout.engine 'builtin': vLLM's offline API cannot "
                 "pause a request to swap weights; set interrupt_on_update to false"
+            )
+        buffer = self.algorithm.overlong_buffer
+        if buffer is not None and buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer={buffer} is longer than rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}: the punishment ramps over the last overlong_buffer tokens before "
+                "the limit; lower it (DAPO: 4,096 of 20,480)"
             )
         m = self.algorithm.ppo_mini_batches
         if m > 1:
@@ -802,6 +820,13 @@ _INERT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[Config], str | None]],
     ),
     ("algorithm", ("is_mode",), lambda c: None if c.algorithm.is_cap is not None else "algorithm.is_cap is null"),
     ("algorithm", ("kl_kind",), lambda c: None if c.algorithm.kl_coef > 0 else "algorithm.kl_coef is 0 (no KL term)"),
+    (
+        "algorithm",
+        ("overlong_penalty",),
+        lambda c: (
+            None if c.algorithm.overlong_buffer is not None else "algorithm.overlong_buffer is null (no punishment)"
+        ),
+    ),
     (
         "bootstrap",
         ("batch_size", "lr", "target_accuracy", "check_prompts", "check_every"),

@@ -91,6 +91,24 @@ class LossSettings:
     # a group whose rewards are all equal has zero advantage, so without a KL term it adds exactly 0 to the
     # gradient: micro_step counts its tokens in the loss normaliser and leaves it out of the forward and backward
     skip_zero_advantage: bool = True
+    # DAPO's soft overlong punishment (max_len, buffer, factor), added to each reward before its advantage
+    overlong: tuple[int, int, float] | None = None
+
+
+def shaped_rewards(
+    rewards: list[float], responses: list[list[int]], overlong: tuple[int, int, float] | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A group's rewards as the trainer takes advantages of them, (G,) fp32, and the overlong punishment in them
+    ((G,), or None without one): with `overlong` = (max_len, buffer, factor) each reward plus DAPO's soft overlong
+    punishment of its response's length (`objectives.overlong_penalty`: 0 up to max_len - buffer tokens, then down
+    linearly to -factor at max_len). The catalog's advantages are taken of the same."""
+    r = torch.tensor(rewards, dtype=torch.float32)  # (G,)
+    if overlong is None:
+        return r, None
+    max_len, buffer, factor = overlong
+    lengths = torch.tensor([len(x) for x in responses])  # (G,)
+    penalty = objectives.overlong_penalty(lengths, max_len, buffer, factor).to(torch.float32)  # (G,)
+    return r + penalty, penalty
 
 
 def disable_dropout(model: torch.nn.Module) -> int:
@@ -237,7 +255,7 @@ class PolicyTrainer:
         its per-token loss and gradient are exactly 0 (decoupled PPO's too: its weights multiply the advantage)."""
         if not self.loss.skip_zero_advantage or self.loss.kl_coef > 0:
             return False
-        r = torch.tensor(group.rewards, dtype=torch.float32)  # the advantage estimators' equality test, in fp32
+        r, _ = shaped_rewards(group.rewards, group.responses, self.loss.overlong)  # the estimators' equality, in fp32
         return bool(torch.isfinite(r).all() and (r == r[0]).all())  # a non-finite reward is refused when run
 
     def partition(self, groups: list[RolloutGroup]) -> tuple[list[RolloutGroup], list[RolloutGroup]]:
@@ -251,6 +269,8 @@ class PolicyTrainer:
     def _count_skipped(self, groups: list[RolloutGroup]) -> None:
         """What skipped groups add to the batch: their share of the loss normaliser (tokens or sequences, as the
         forward pass would have counted them: their response masks) and the counts; 0 to the numerator."""
+        for g in groups:
+            self._count_overlong(shaped_rewards(g.rewards, g.responses, self.loss.overlong)[1])
         mask = response_mask([r for g in groups for r in g.responses])  # (S, T)
         _, denominator = objectives.aggregate_parts(
             torch.zeros(mask.shape), mask, self.loss.loss_agg, norm_len=self.loss.norm_len
@@ -261,6 +281,12 @@ class PolicyTrainer:
         self._sums["adv/zero_groups"] += len(groups)
         self._sums["train/skipped_groups"] += len(groups)
         self._sums["train/skipped_tokens"] += float(mask.sum())
+
+    def _count_overlong(self, penalty: torch.Tensor | None) -> None:
+        """A group's overlong punishment in the batch's figures (`reward/overlong_*`, per sample)."""
+        if penalty is not None:
+            self._sums["reward/overlong_penalty"] += float(penalty.sum())
+            self._sums["reward/overlong_samples"] += float((penalty < 0).sum())
 
     def micro_step(self, groups: list[RolloutGroup], version: int = 0, behavior_old: bool = False) -> dict[str, float]:
         """Forward + backward of the loss numerator on one micro-batch of whole groups; returns its figures.
@@ -287,9 +313,10 @@ class PolicyTrainer:
             if not groups:
                 return {"tokens": 0.0, "samples": 0}
         s = self.loss
-        rewards = [torch.tensor(g.rewards, dtype=torch.float32) for g in groups]
-        advs, zero_groups = [], 0
-        for r in rewards:  # per group: streaming never has the whole batch, so normalisation is per group
+        advs, penalties, zero_groups = [], [], 0
+        for g in groups:  # per group: streaming never has the whole batch, so normalisation is per group
+            r, penalty = shaped_rewards(g.rewards, g.responses, s.overlong)  # (G,)
+            penalties.append(penalty)
             a, m = objectives.compute_advantages(r.unsqueeze(0), kind=s.advantage)
             advs.append(a.squeeze(0))
             zero_groups += m.get("adv/zero_var_groups", 0.0) + m.get("adv/single_sample_groups", 0.0)
@@ -360,6 +387,8 @@ class PolicyTrainer:
             if "is_weight/max" in metrics and ntok > 0:  # an empty micro-step's neutral 1.0 is no token's weight
                 self._maxes["is_weight/max"] = max(self._maxes.get("is_weight/max", 0.0), metrics["is_weight/max"])
             self._sums["adv/zero_groups"] += zero_groups
+            for penalty in penalties:
+                self._count_overlong(penalty)
             self._sums["train/shared_fallbacks"] += float(self.shared_prompt and not shared)
             self._sums["train/micro_batches"] += 1.0
             if kl is not None:
@@ -483,6 +512,9 @@ class PolicyTrainer:
         }
         if self.loss.decoupled:
             figures["time/prox_s"] = self._sums["time/prox_s"]
+        if self.loss.overlong is not None:  # per sample, the skipped groups' too
+            figures["reward/overlong_penalty"] = self._sums["reward/overlong_penalty"] / self._samples
+            figures["reward/overlong_fraction"] = self._sums["reward/overlong_samples"] / self._samples
         if tok > 0:  # figures of the tokens trained: none when every group was skipped (0 would read as a value)
             token_keys = [
                 "entropy/mean",

@@ -15,10 +15,10 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from models.trainer import RolloutGroup, group_tokens, lr_factor
+from models.trainer import RolloutGroup, group_tokens, lr_factor, shaped_rewards
 from storage import checkpoints, faults, ledger
 from storage.shards import ShardError, read_shard
-from tasks.session import evaluate, iteration_prompt_ids, session
+from tasks.session import evaluate, iteration_prompt_ids, loss_settings, session
 from tasks.workers import Chunk, PoolClosed, WorkerError
 
 POLL_S = 0.01
@@ -202,7 +202,9 @@ def micro_batches(groups: list[RolloutGroup], budget: int, shared: bool) -> list
     return out
 
 
-# figures of a batch's optimizer steps that add up; the others are averaged over the steps (is_weight/max: maximum)
+# figures of a batch's optimizer steps that add up; the others are averaged over the steps (is_weight/max: maximum),
+# per sample those of `_PER_SAMPLE`, per token the rest
+_PER_SAMPLE = ("reward/overlong_penalty", "reward/overlong_fraction")
 _SUMMED = (
     "train/tokens",
     "train/samples",
@@ -284,6 +286,9 @@ class BatchSteps:
                 out[key] = sum(values)
             elif key == "is_weight/max":
                 out[key] = max(values)
+            elif key in _PER_SAMPLE:  # every sample's, skipped groups' too: a step of those alone counts as much
+                samples = [f["train/samples"] for f in steps]
+                out[key] = sum(v * n for v, n in zip(values, samples)) / sum(samples)
             else:  # token-weighted, like the figures of one step; evenly where no step trained a token (a batch
                 # of groups with zero advantage only: its train/lr is the rate it stepped at, not 0)
                 tokens = [f["train/tokens"] for f in steps]
@@ -512,16 +517,19 @@ def catalog_iteration(run_id: str, iteration: int, version: int) -> int:
     if uri is None:
         return 0
     rec = ledger.read_record(s.lake, run_id, iteration)
+    overlong = loss_settings(s.cfg).overlong  # the rewards the trainer took advantages of (the stored are the task's)
     tables, shard_rows = [], []
     for sh in rec["shards"]:
         t = read_shard(s.lake, sh["path"], sh["checksum"])
         adv = torch.zeros(t.num_rows)
         gid = t.column("group_id").to_pylist()
-        reward = torch.tensor(t.column("reward").to_pylist(), dtype=torch.float32)
-        for g in dict.fromkeys(gid):  # the trainer's per-group advantages, recomputed by the same function
-            idx = torch.tensor([i for i, x in enumerate(gid) if x == g])
-            a, _ = compute_advantages(reward[idx].unsqueeze(0), kind=s.cfg.algorithm.advantage)
-            adv[idx] = a.squeeze(0)
+        reward = t.column("reward").to_pylist()
+        responses = t.column("response_ids").to_pylist() if overlong else [[]] * t.num_rows  # lengths: only to punish
+        for g in dict.fromkeys(gid):  # the trainer's per-group advantages, recomputed by the same functions
+            rows = [i for i, x in enumerate(gid) if x == g]
+            r, _ = shaped_rewards([reward[i] for i in rows], [responses[i] for i in rows], overlong)
+            a, _ = compute_advantages(r.unsqueeze(0), kind=s.cfg.algorithm.advantage)
+            adv[torch.tensor(rows)] = a.squeeze(0)
         ids = [
             f"{run_id}/{it}/{g}/{j}"
             for it, g, j in zip(t.column("iteration").to_pylist(), gid, t.column("sample_index").to_pylist())

@@ -515,12 +515,13 @@ def evaluate(session: RunSession) -> float:
     )
 
 
-def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> PolicyTrainer:
-    """The trainer of a config: the loss settings unpacked into plain arguments (models/ never sees a Config)."""
-    model.set_attn_implementation(attention_kernel(cfg.train.attention, device))
-    ref_model = copy.deepcopy(model).requires_grad_(False).to(device) if cfg.algorithm.kl_coef > 0 else None
+def loss_settings(cfg: Config) -> LossSettings:
+    """The trainer's loss settings of a config, as plain values (models/ never sees a Config)."""
     a = cfg.algorithm
-    loss = LossSettings(
+    overlong = (
+        None if a.overlong_buffer is None else (cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
+    )
+    return LossSettings(
         advantage=a.advantage,
         loss_agg=a.loss_agg,
         clip_low=a.clip_low,
@@ -536,7 +537,14 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
         is_mode=a.is_mode,
         is_level=a.is_level,
         skip_zero_advantage=cfg.train.skip_zero_advantage,
+        overlong=overlong,
     )
+
+
+def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> PolicyTrainer:
+    """The trainer of a config: the loss settings unpacked into plain arguments (models/ never sees a Config)."""
+    model.set_attn_implementation(attention_kernel(cfg.train.attention, device))
+    ref_model = copy.deepcopy(model).requires_grad_(False).to(device) if cfg.algorithm.kl_coef > 0 else None
     ranks = cfg.resources.train_ranks
     make = (
         partial(
@@ -555,7 +563,7 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
         weight_decay=cfg.trainer.weight_decay,
         betas=(cfg.trainer.beta1, cfg.trainer.beta2),
         grad_clip=cfg.trainer.grad_clip,
-        loss=loss,
+        loss=loss_settings(cfg),
         pad_token_id=tokenizer.pad_token_id,
         shared_prompt=cfg.train.shared_prompt,
         keep_dropout=not cfg.trainer.disable_dropout,
