@@ -5,8 +5,9 @@ One JSON line per model (`demo`: the demo's model.tiny, 128 wide and 4 layers; `
 one micro-step of the real trainer (`PolicyTrainer.micro_step`: the policy's forward with grad, GRPO's clipped loss,
 the backward of its numerator; no reference, no optimizer step). Figures:
 
-- `step_s_off`, `step_s_on`: median micro-step time, the two trainers' steps interleaved (off, on, off, on, ...) in one
-  process after one warm-up step each, so both see the same background load; `slowdown` = on / off;
+- `step_s_off`, `step_s_on`: median micro-step time, the two trainers' steps interleaved in ABBA order (off, on, on,
+  off, ...) in one process after a warm-up step each (off a second one: the control below), so both see the same
+  background load; `slowdown` = on / off;
 - `added_mb_off`, `added_mb_on`: what one micro-step added to the resident memory of a fresh process that built
   the model, its trainer and the group: the peak during the step (`VmHWM`, reset through `/proc/self/clear_refs`
   just before it) minus the resident memory then (`VmRSS`, once the C heap's free pages were given back with

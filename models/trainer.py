@@ -7,8 +7,9 @@ policy detached, since with one optimizer step per batch the ratio is exactly 1,
 loss *numerator* only; the batch's normaliser (tokens or sequences) is known only when the batch is complete, so
 `optimizer_step` divides the accumulated gradient by the accumulated denominator. The sum over micro-batches then
 equals the whole-batch loss gradient whatever the split or the order of arrival (DESIGN.md, Propositions 1-2).
-A group whose rewards are all equal (zero advantage) adds only its tokens to that denominator: without a KL term its
-gradient is exactly 0, so its forward and backward passes are skipped (`LossSettings.skip_zero_advantage`).
+A group whose rewards (as `shaped_rewards` gives them: with DAPO's overlong punishment, once punished) are all equal
+(zero advantage) adds only its tokens to that denominator: without a KL term its gradient is exactly 0, so its forward
+and backward passes are skipped (`LossSettings.skip_zero_advantage`).
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ class PolicyTrainer:
 
     def skips(self, group: RolloutGroup) -> bool:
         """Whether `micro_step` leaves `group` out of its forward and backward passes (`skip_zero_advantage`): its
-        rewards are all equal, so every advantage estimator gives it exactly 0 (also with G = 1), and with no KL term
+        rewards (as `shaped_rewards` gives them) are all equal, so every advantage estimator gives it exactly 0 (also with G = 1), and with no KL term
         its per-token loss and gradient are exactly 0 (decoupled PPO's too: its weights multiply the advantage)."""
         if not self.loss.skip_zero_advantage or self.loss.kl_coef > 0:
             return False

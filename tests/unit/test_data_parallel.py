@@ -274,3 +274,30 @@ def test_sum_gradients_keeps_a_parameter_no_rank_has_a_gradient_for_without_one(
         assert [p.grad is None for p in net.parameters()] == [False, False, True, True]
     finally:
         dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one_with_the_overlong_punishment():
+    """DAPO's overlong punishment across ranks: groups it makes unequal (equal task rewards, lengths in its ramp) are
+    trained on either rank, groups it leaves equal stay on rank 0 skipped; weights within 1e-5 of one process, and its
+    figures over every sample of both ranks."""
+    one, two = _pair(LossSettings(overlong=(4, 2, 1.0)))  # lengths 1, 2 -> 0; 3 -> -0.5; 4 -> -1
+    try:
+        v0 = copy.deepcopy(one.model)
+        for batch in range(2):
+            for seed in range(4 * batch, 4 * batch + 4):
+                short = _group(seed + 200, lens=(1, 1, 1, 1))  # unpunished: trained if its rewards differ
+                if seed % 2:
+                    short = dataclasses.replace(short, rewards=[1.0] * 4)  # all equal and unpunished: skipped
+                groups = [_group(seed), _flat(seed + 100), short]  # _flat: lengths 3, 1, 4, 2, so trained
+                for t in (one, two):
+                    t.micro_step(groups, batch)
+            a, b = one.optimizer_step(), two.optimizer_step()
+            assert a["train/skipped_groups"] == b["train/skipped_groups"] == 2.0
+            for key in ("reward/overlong_penalty", "reward/overlong_fraction", "loss/policy"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+            assert a["reward/overlong_penalty"] == pytest.approx(-1.5 * 8 / 48)  # two punished groups a micro-batch
+            assert sum(two.rank_micro_batches[1:]) > 0
+            assert _max_diff(one.model, two.model) <= 1e-5
+        assert _max_diff(one.model, v0) > 1e-3
+    finally:
+        two.close()

@@ -104,7 +104,7 @@ def test_the_reference_and_the_ranks_replicas_have_none_either():
     spec = replica_spec(model)
     replica = _build_replica(spec, torch.device("cpu"))
     assert disable_dropout(replica.model) == 0 and disable_dropout(replica.ref_model) == 0
-    kept = _build_replica(RankSpec(**{**spec.__dict__, "keep_dropout": True}), torch.device("cpu"))
+    kept = _build_replica(replica_spec(model, keep_dropout=True), torch.device("cpu"))
     assert disable_dropout(kept.model) == 2
 
 
