@@ -39,18 +39,28 @@ def _grads(trainer) -> list[torch.Tensor]:
     return [p.grad.clone() for p in trainer.model.parameters()]
 
 
-def test_the_gradient_of_the_punished_rewards():
+@pytest.mark.parametrize(
+    ("loss", "version"),
+    [({}, 0), ({"decoupled": True, "prox_logp": "loglinear"}, 2)],
+    ids=["on-policy", "async-decoupled-two-versions-behind"],
+)
+def test_the_gradient_of_the_punished_rewards(loss, version):
     """A trainer with the punishment gives the gradient of one without it whose groups carry the punished rewards;
-    the control, the task's rewards unpunished, gives another."""
+    the control, the task's rewards unpunished, gives another. Also async mode's decoupled loss, on tokens generated
+    two versions before the trainer's."""
     model = _model()
     groups = [_with_behaviour(model, _group(s), 0.0) for s in (1, 2)]  # lengths 3, 1, 4, 2
     shaped = [
         dataclasses.replace(g, rewards=shaped_rewards(g.rewards, g.responses, OVERLONG)[0].tolist()) for g in groups
     ]
-    punished, by_hand, unpunished = _trainer(model, overlong=OVERLONG), _trainer(model), _trainer(model)
-    punished.micro_step(groups)
-    by_hand.micro_step(shaped)
-    unpunished.micro_step(groups)
+    punished, by_hand, unpunished = (
+        _trainer(model, overlong=OVERLONG, **loss),
+        _trainer(model, **loss),
+        _trainer(model, **loss),
+    )
+    punished.micro_step(groups, version)
+    by_hand.micro_step(shaped, version)
+    unpunished.micro_step(groups, version)
     for a, b in zip(_grads(punished), _grads(by_hand), strict=True):
         assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(_grads(punished), _grads(unpunished), strict=True))
