@@ -350,8 +350,8 @@ class AlgorithmSection(_Section):
         ge=1,
         description="DAPO's soft overlong punishment: over the last N tokens before rollout.max_new_tokens a "
         "response's reward is lowered linearly, by overlong_penalty at max_new_tokens (a response cut there, or "
-        "whose stop token is its last allowed one). The trainer shapes the rewards it takes advantages of; the stored rewards stay the task's. "
-        "null: off.",
+        "whose stop token is its last allowed one). The trainer shapes the rewards it takes advantages of; the "
+        "stored rewards stay the task's. null: off.",
     )
     overlong_penalty: float = Field(
         1.0, gt=0.0, le=1000.0, description="What the overlong punishment takes off a reward at max_new_tokens."

@@ -252,8 +252,9 @@ class PolicyTrainer:
 
     def skips(self, group: RolloutGroup) -> bool:
         """Whether `micro_step` leaves `group` out of its forward and backward passes (`skip_zero_advantage`): its
-        rewards (as `shaped_rewards` gives them) are all equal, so every advantage estimator gives it exactly 0 (also with G = 1), and with no KL term
-        its per-token loss and gradient are exactly 0 (decoupled PPO's too: its weights multiply the advantage)."""
+        rewards (as `shaped_rewards` gives them) are all equal, so every advantage estimator gives it exactly 0 (also
+        with G = 1), and with no KL term its per-token loss and gradient are exactly 0 (decoupled PPO's too: its
+        weights multiply the advantage)."""
         if not self.loss.skip_zero_advantage or self.loss.kl_coef > 0:
             return False
         r, _ = shaped_rewards(group.rewards, group.responses, self.loss.overlong)  # the estimators' equality, in fp32

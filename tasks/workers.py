@@ -488,8 +488,8 @@ class _Publisher:
     """Scores and publishes a worker's generated chunks as shards, in the order generated. With the spec's
     `overlap_scoring`, on one thread beside the worker's generation: the worker generates chunk k + 1 while chunk k
     is scored and written; at most one chunk waits to be scored (`put` waits for the one before). An error of a
-    shard in flight is raised by the next `put`, `check` or on leaving; a worker leaving on its own error first waits for the
-    shard in flight, so that nothing is written after the worker reported its failure."""
+    shard in flight is raised by the next `put`, `check` or on leaving; a worker leaving on its own error first waits
+    for the shard in flight, so that nothing is written after the worker reported its failure."""
 
     def __init__(self, worker: _Worker, on_published=None):
         self.worker, self.on_published = worker, on_published

@@ -75,8 +75,8 @@ def test_a_chunk_of_another_version_is_refused_and_publishes_nothing(worker):
 
 class Served:
     """`serve` on a thread with chunk generation recorded as (batch, version held when it started) (or by
-    `generate`), publishing as a no-op and checkpoint loads as no-ops; the test drives it through the work and command queues, and `stop`
-    returns what `serve` returned."""
+    `generate`), publishing as a no-op and checkpoint loads as no-ops; the test drives it through the work and
+    command queues, and `stop` returns what `serve` returned."""
 
     def __init__(self, worker: _Worker, monkeypatch, max_staleness: int, interrupt: bool = False, generate=None):
         self.worker, self.log, self.work, self.results, self.result = worker, [], queue.Queue(), queue.Queue(), {}
