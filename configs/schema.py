@@ -405,6 +405,17 @@ class TrainSection(_Section):
         "and recompute their activations in the backward, for one more forward pass of the layers per micro-step. "
         "The same gradient; less memory where activations, not weights, fill it (long packed micro-batches).",
     )
+    logits_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Response tokens per chunk of the output layer: the trainer's log-probs (policy, reference, "
+        "proximal) come from the decoder's hidden states through the output layer this many tokens at a time, each "
+        "chunk's logits recomputed in the backward instead of kept, so a micro-batch never holds its whole "
+        "(tokens x vocabulary) logits; the prompt's positions and padding are not computed. The same log-probs up "
+        "to the rounding of the model's dtype (float32 on CPU). Needs a model whose logits are its output layer "
+        "applied to its decoder's output (Llama, Qwen, Mistral...; not one that soft-caps them). null: the whole "
+        "logits at once.",
+    )
 
 
 class PipelineSection(_Section):

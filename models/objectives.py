@@ -30,6 +30,7 @@ __all__ = [
     "decoupled_policy_loss",
     "dynamic_sampling_keep",
     "entropy_from_logits",
+    "entropy_from_logprobs",
     "kl_divergence",
     "kl_penalized_token_rewards",
     "masked_mean",
@@ -723,7 +724,12 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     p = 0 and contribute 0. logits: (..., V). Returns (...), no reduction.
     """
     x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    logp = torch.log_softmax(x, dim=-1)  # (..., V)
+    return entropy_from_logprobs(torch.log_softmax(x, dim=-1))
+
+
+def entropy_from_logprobs(logp: Tensor) -> Tensor:
+    """`entropy_from_logits` of a distribution given as its log-probs (a ``log_softmax``'s output): (..., V) ->
+    (...); ``-inf`` entries count as p = 0."""
     p = logp.exp()
     return -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)  # (...)
 

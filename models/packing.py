@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
+
+from models.objectives import entropy_from_logprobs
 
 
 @dataclass
@@ -191,20 +194,25 @@ def _dense_mask_for(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tens
     )
 
 
-def packed_logits(model: torch.nn.Module, packed: Packed) -> torch.Tensor:
-    """Logits at the positions that predict each response token: (S, T, V)."""
+def _model_inputs(model: torch.nn.Module, packed: Packed) -> dict:
+    """The keyword arguments of `model`'s (or its decoder's) forward pass over `packed`, on the model's device."""
     device = next(model.parameters()).device
     attn = packed.attention_mask.to(device)
     if attn.dim() == 4:
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         attn = flex_block_mask(packed, device) if impl == "flex_attention" else _dense_mask_for(model, attn)
-    out = model(
+    return dict(
         input_ids=packed.input_ids.to(device),
         attention_mask=attn,
         position_ids=packed.position_ids.to(device),
         use_cache=False,
     )
-    logits = out.logits  # (rows, L, V)
+
+
+def packed_logits(model: torch.nn.Module, packed: Packed) -> torch.Tensor:
+    """Logits at the positions that predict each response token: (S, T, V)."""
+    logits = model(**_model_inputs(model, packed)).logits  # (rows, L, V)
+    device = logits.device
     return logits[packed.gather_row.to(device).unsqueeze(-1), packed.gather_pos.to(device)]  # (S, T, V)
 
 
@@ -212,3 +220,117 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """log softmax(logits / T)[target]: (S, T, V), (S, T) -> (S, T)."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
+
+
+def check_logits_split(model: torch.nn.Module) -> None:
+    """Raise ValueError, naming the setting, unless `model`'s logits are exactly its output layer applied to its
+    decoder's last hidden state (what `chunked_logprobs` computes them as). Judged in one forward pass of 8 tokens
+    (eval mode, no grad) with hooks: the decoder must receive the input ids, attention mask and position ids the model
+    was given, the output layer must take the decoder's last hidden state, and the logits must be the output layer's
+    output, each bit for bit. Most causal LMs (Llama, Qwen2/3, Mistral, GPT-2, OPT...) are; a model that rescales or
+    soft-caps its logits after the output layer (Gemma 2's final_logit_softcapping, Cohere's logit_scale) is not."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if decoder is None or head is None or decoder is model:
+        reason = "it has no separate decoder and output layer (get_decoder / get_output_embeddings)"
+    else:
+        reason = _split_mismatch(model, decoder, head)
+    if reason is not None:
+        raise ValueError(
+            f"train.logits_chunk_tokens: the model ({type(model).__name__}) cannot have its logits computed in "
+            f"chunks: {reason}; set train.logits_chunk_tokens=null"
+        )
+
+
+def _split_mismatch(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Module) -> str | None:
+    """What in one probe pass of `model` differs from `head(decoder(inputs))`, or None."""
+    device = next(model.parameters()).device
+    vocab = head.weight.shape[0]
+    given = {
+        "input_ids": torch.arange(8, device=device).mul(7919).remainder(vocab).unsqueeze(0),  # (1, 8) over the vocab
+        "attention_mask": torch.ones((1, 8), dtype=torch.long, device=device),
+        "position_ids": torch.arange(8, device=device).unsqueeze(0),
+    }
+    seen: dict = {}
+
+    def decoder_inputs(_module, args, kwargs):
+        seen["inputs"] = {"input_ids": args[0] if args else None, **kwargs}
+
+    def decoder_output(_module, _args, out):
+        seen["hidden"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def head_io(_module, args, out):
+        seen["head_in"], seen["head_out"] = args[0], out
+
+    hooks = [
+        decoder.register_forward_pre_hook(decoder_inputs, with_kwargs=True),
+        decoder.register_forward_hook(decoder_output),
+        head.register_forward_hook(head_io),
+    ]
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(**given, use_cache=False).logits
+    finally:
+        model.train(training)
+        for hook in hooks:
+            hook.remove()
+    if "hidden" not in seen or "head_out" not in seen:
+        return "its forward pass did not run its decoder and its output layer"
+    for key, value in given.items():
+        passed = seen["inputs"].get(key)
+        if not isinstance(passed, torch.Tensor) or passed.shape != value.shape or not torch.equal(passed, value):
+            return f"its forward pass does not give its decoder the {key} it was given"
+    if seen["head_in"].shape != seen["hidden"].shape or not torch.equal(seen["head_in"], seen["hidden"]):
+        return "its output layer does not take its decoder's last hidden state"
+    if seen["head_out"].shape != logits.shape or not torch.equal(seen["head_out"].float(), logits.float()):
+        return "its logits differ from its output layer's output"
+    return None
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy):
+    """(n, H), (n,) -> log-probs (n,) with grad of softmax(head(hidden) / T), and with `entropy` its entropies
+    (n,) without (else None)."""
+    logp = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # (n, V)
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return picked, None
+    with torch.no_grad():  # after the last saved tensor: checkpoint's recomputation stops before it
+        return picked, entropy_from_logprobs(logp)
+
+
+def chunked_logprobs(
+    model: torch.nn.Module, packed: Packed, temperature: float, chunk_tokens: int, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs(packed_logits(model, packed), ...)` and the entropies of the same distributions, without the
+    (S, T, V) logits: the decoder's hidden states of the response tokens (mask 1 only) go through the output layer
+    `chunk_tokens` at a time; with grad, each chunk under `torch.utils.checkpoint`, so its logits live only while
+    the chunk is computed (forward, then again in the backward). Padding positions get 0. Returns (S, T) and, with
+    `entropy`, (S, T) (else None); the entropies carry no grad. The model must pass `check_logits_split`."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    hidden = decoder(**_model_inputs(model, packed)).last_hidden_state  # (rows, L, H)
+    device = hidden.device
+    rows, pos = packed.gather_row.to(device).unsqueeze(-1), packed.gather_pos.to(device)  # (S, 1), (S, T)
+    sel = packed.mask.to(device) > 0  # (S, T)
+    h = hidden[rows.expand_as(pos)[sel], pos[sel]]  # (N, H): the response tokens only
+    targets = packed.targets.to(device)[sel]  # (N,)
+    logps, entropies = [], []
+    for i in range(0, max(h.shape[0], 1), chunk_tokens):  # no response token: one empty chunk, still in the graph
+        args = (head, h[i : i + chunk_tokens], targets[i : i + chunk_tokens], temperature, entropy)
+        if torch.is_grad_enabled():
+            lp, ent = torch.utils.checkpoint.checkpoint(
+                _chunk_logprobs,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=False,  # no randomness to replay
+            )
+        else:
+            lp, ent = _chunk_logprobs(*args)
+        logps.append(lp)
+        entropies.append(ent)
+    S, T = sel.shape
+    logp = torch.zeros((S, T), dtype=torch.float32, device=device).masked_scatter(sel, torch.cat(logps))
+    if not entropy:
+        return logp, None
+    return logp, torch.zeros((S, T), dtype=torch.float32, device=device).masked_scatter(sel, torch.cat(entropies))

@@ -18,12 +18,22 @@ import copy
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from models import objectives
-from models.packing import Group, pack, packed_logits, response_mask, token_logprobs, use_shared
+from models.packing import (
+    Group,
+    check_logits_split,
+    chunked_logprobs,
+    pack,
+    packed_logits,
+    response_mask,
+    token_logprobs,
+    use_shared,
+)
 
 
 @dataclass
@@ -165,7 +175,9 @@ class PolicyTrainer:
     Unless `keep_dropout`, the policy's and the reference's dropout is turned off (`disable_dropout`): the engine
     samples without it, so with it the first log-ratio of an on-policy batch would be noise instead of 0.
     `activation_checkpointing`: the policy's layers recompute their activations in the backward pass
-    (`enable_activation_checkpointing`)."""
+    (`enable_activation_checkpointing`). `logits_chunk_tokens`: the log-probs of the policy, the reference and the
+    proximal model come from their output layer `logits_chunk_tokens` response tokens at a time
+    (`models.packing.chunked_logprobs`), never as the micro-batch's whole (S, T, V) logits; None: as a whole."""
 
     def __init__(
         self,
@@ -181,6 +193,7 @@ class PolicyTrainer:
         shared_prompt: bool = False,
         keep_dropout: bool = False,
         activation_checkpointing: bool = False,
+        logits_chunk_tokens: int | None = None,
     ):
         self.model = model
         self.ref_model = ref_model
@@ -205,8 +218,33 @@ class PolicyTrainer:
         self.activation_checkpointing = activation_checkpointing
         if activation_checkpointing:  # the policy's backward only (the proximal copy above runs without grad)
             enable_activation_checkpointing(model)
+        if logits_chunk_tokens is not None:
+            if logits_chunk_tokens < 1:
+                raise ValueError(f"logits_chunk_tokens must be >= 1 or None, got {logits_chunk_tokens}")
+            for m in (model, ref_model):  # the proximal model is a copy of the policy
+                if m is not None:
+                    check_logits_split(m)
+        self.logits_chunk_tokens = logits_chunk_tokens
         self._batch_version: int | None = None
         self._reset_accumulators()
+
+    def _logprobs(
+        self, model: torch.nn.Module, packed, entropy: bool = False
+    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor] | None]:
+        """`model`'s log-probs of `packed`'s response tokens at the loss's temperature (S, T), with grad where grad is
+        enabled; and, with `entropy`, a function giving the entropies of those distributions (S, T), without grad
+        (called after the backward: from the whole logits, its (S, T, V) temporaries are then not beside the
+        forward's graph). Chunked through the output layer with `logits_chunk_tokens`; else from the whole logits."""
+        temperature = self.loss.temperature
+        if self.logits_chunk_tokens is not None:
+            logp, ent = chunked_logprobs(model, packed, temperature, self.logits_chunk_tokens, entropy=entropy)
+            return logp, (lambda: ent) if entropy else None
+        logits = packed_logits(model, packed)  # (S, T, V)
+        logp = token_logprobs(logits, packed.targets, temperature)
+        if not entropy:
+            return logp, None
+        # of the policy sampled and trained: softmax(logits / T), as token_logprobs takes it
+        return logp, lambda: objectives.entropy_from_logits(logits.detach().float() / temperature)
 
     def set_lr_factor(self, factor: float) -> None:
         """The learning rate of the next optimizer steps: `factor` x the configured peak."""
@@ -344,9 +382,8 @@ class PolicyTrainer:
         if s.kl_coef > 0:
             with torch.no_grad():
                 self.ref_model.eval()
-                ref_logp = token_logprobs(packed_logits(self.ref_model, packed), packed.targets, s.temperature)
-        logits = packed_logits(self.model, packed)  # (S, T, V)
-        logp = token_logprobs(logits, packed.targets, s.temperature)  # (S, T) with grad
+                ref_logp, _ = self._logprobs(self.ref_model, packed)
+        logp, entropies = self._logprobs(self.model, packed, entropy=True)  # (S, T) with grad
         if s.decoupled:
             per_token, metrics = self._decoupled_loss(packed, logp, behavior, token_versions, version, adv, mask)
         else:
@@ -365,10 +402,7 @@ class PolicyTrainer:
 
         with torch.no_grad():
             ntok = float(mask.sum())
-            # of the policy sampled and trained: softmax(logits / T), as token_logprobs takes it
-            entropy = objectives.masked_mean(
-                objectives.entropy_from_logits(logits.detach().float() / s.temperature), mask
-            )
+            entropy = objectives.masked_mean(entropies(), mask)
             mismatch = objectives.masked_mean((logp.detach() - behavior).abs(), mask)
             self._denominator += denominator
             self._tokens += ntok
@@ -412,7 +446,7 @@ class PolicyTrainer:
                         "them into prox_model and set prox_version (a resumed run: its checkpoint one version back)"
                     )
                 with torch.no_grad():
-                    recomputed = token_logprobs(packed_logits(self.prox_model, packed), packed.targets, s.temperature)
+                    recomputed, _ = self._logprobs(self.prox_model, packed)
         kind = "recompute" if s.prox_logp == "metrics" else s.prox_logp
         prox, prox_metrics = objectives.proximal_logprobs(
             behavior, logp, token_versions, version, mask, kind, recomputed

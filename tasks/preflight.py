@@ -75,15 +75,19 @@ def check_model_path(path: str) -> None:
         raise InputError(f"model.path {path!r} (Hugging Face cache): {e}") from None
 
 
-def check_model_checkpointing(cfg: Config) -> None:
-    """With `train.activation_checkpointing`, `model.path`'s class must support it (read from its config.json; no
-    model is built, no weights read); the trainer refused it only after the run's config was frozen, so the run could
-    never resume. The built-in tiny models (qwen2, llama) support it. A hub id is judged offline only (HF_HUB_OFFLINE=1,
-    as the CLI sets it: from its cached config), as `check_model_path` judges it; online the trainer judges it."""
+def check_model_options(cfg: Config) -> None:
+    """`model.path`'s class must support what the train section asks of it, judged before the run's config is
+    frozen (the trainer refused it only after, so the run could never resume): `train.activation_checkpointing`
+    (read from its config.json; no weights read) and `train.logits_chunk_tokens` (its logits must be its output layer
+    applied to its decoder's output: probed on a small randomly initialised model of its config, `_probe_logits_split`;
+    what that cannot judge is left to the trainer, which probes the real model). The built-in tiny models
+    (qwen2, llama) support both. A hub id is judged offline only (HF_HUB_OFFLINE=1, as the CLI sets it: from its
+    cached config), as `check_model_path` judges it; online the trainer judges it."""
     from storage.lake import hf_offline
 
     path = cfg.model.path
-    if not cfg.train.activation_checkpointing or path is None or (not os.path.isdir(path) and not hf_offline()):
+    wanted = cfg.train.activation_checkpointing or cfg.train.logits_chunk_tokens is not None
+    if not wanted or path is None or (not os.path.isdir(path) and not hf_offline()):
         return
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -91,13 +95,58 @@ def check_model_checkpointing(cfg: Config) -> None:
     from models.trainer import check_checkpointing
 
     try:  # check_model_path has read this config already: it is there and builds a causal LM
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
+        config = AutoConfig.from_pretrained(path)
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except (OSError, ValueError, KeyError):  # not a causal LM's config: check_model_path names what is wrong
         return
     try:
-        check_checkpointing(model_class)
+        if cfg.train.activation_checkpointing:
+            check_checkpointing(model_class)
+        if cfg.train.logits_chunk_tokens is not None:
+            _probe_logits_split(model_class, config)
     except ValueError as e:
         raise InputError(f"model.path {path!r}: {e}") from None
+
+
+PROBE_MAX_PARAMS = 256_000_000  # 1 GB in fp32: a larger one-layer model is left to the trainer's probe
+
+
+def _probe_logits_split(model_class, config) -> None:
+    """`check_logits_split` on a randomly initialised `model_class` of `config` shrunk to one layer and a vocabulary
+    of at most 64 tokens (the architecture, not the weights or the sizes, decides what it judges). Left to the
+    trainer, which probes the real model: a config that cannot be built so, one whose shrunk model still has more than
+    `PROBE_MAX_PARAMS` parameters (counted on the meta device first), and a probe that fails otherwise than by
+    refusing."""
+    import torch
+
+    from models.packing import check_logits_split
+
+    try:
+        configs = list({id(c): c for c in (config, config.get_text_config(decoder=True))}.values())
+        vocab = min([64, *(c.vocab_size for c in configs if getattr(c, "vocab_size", None))])
+        for c in configs:
+            c.num_hidden_layers = 1
+            if getattr(c, "vocab_size", None):
+                c.vocab_size = vocab
+            for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids the smaller vocabulary lacks
+                ids = getattr(c, key, None)
+                if isinstance(ids, int) and ids >= vocab or isinstance(ids, list) and any(i >= vocab for i in ids):
+                    setattr(c, key, None)
+        with torch.device("meta"):
+            size = sum(p.numel() for p in model_class._from_config(config).parameters())
+        if size > PROBE_MAX_PARAMS:
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            probe = model_class._from_config(config, dtype=torch.float32)
+    except Exception:  # noqa: BLE001  (a per-layer list of the config's own length, ...): the trainer probes the model
+        return
+    try:
+        check_logits_split(probe)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001  (a forward pass a one-layer model breaks): the trainer probes the real one
+        return
 
 
 def check_dataset(cfg: Config) -> None:
@@ -240,7 +289,7 @@ def check_inputs(cfg: Config) -> None:
         raise InputError(f"lake.uri: {e}") from None
     if cfg.model.path is not None:
         check_model_path(cfg.model.path)
-        check_model_checkpointing(cfg)
+        check_model_options(cfg)
     if cfg.task.kind == "dataset":
         check_dataset(cfg)
 

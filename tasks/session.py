@@ -568,6 +568,7 @@ def build_trainer(cfg: Config, model, tokenizer, device: torch.device) -> Policy
         shared_prompt=cfg.train.shared_prompt,
         keep_dropout=not cfg.trainer.disable_dropout,
         activation_checkpointing=cfg.train.activation_checkpointing,
+        logits_chunk_tokens=cfg.train.logits_chunk_tokens,
     )
 
 

@@ -69,6 +69,7 @@ class RankSpec:
     keep_dropout: bool
     shard_optimizer: bool = False
     activation_checkpointing: bool = False
+    logits_chunk_tokens: int | None = None
 
 
 def rank_spec(trainer: PolicyTrainer, threads: int, shard_optimizer: bool) -> RankSpec:
@@ -90,6 +91,7 @@ def rank_spec(trainer: PolicyTrainer, threads: int, shard_optimizer: bool) -> Ra
         keep_dropout=trainer.keep_dropout,
         shard_optimizer=shard_optimizer,
         activation_checkpointing=trainer.activation_checkpointing,
+        logits_chunk_tokens=trainer.logits_chunk_tokens,
     )
 
 
@@ -134,6 +136,7 @@ def _build_replica(spec: RankSpec, device: torch.device) -> PolicyTrainer:
         shared_prompt=spec.shared_prompt,
         keep_dropout=spec.keep_dropout,
         activation_checkpointing=spec.activation_checkpointing,
+        logits_chunk_tokens=spec.logits_chunk_tokens,
     )
 
 

@@ -67,3 +67,13 @@ def all_samples(lake_uri: str, run_id: str) -> dict:
         for r in table_to_records(read_shard(lake, path)):
             out[(r.iteration, r.group_id, r.sample_index)] = r
     return out
+
+
+def trained(tmp_path: Path, name: str, settings: dict) -> tuple[dict, dict]:
+    """Run `name` through the flow with `settings` (`run.iterations` among them) in `tmp_path`'s lake: the weights of
+    its last version and every sample it stored."""
+    from flows.train import train_flow
+
+    train_flow(config_path=write_config(tmp_path, name, settings))
+    lake = str(tmp_path / "lake")
+    return final_params(lake, name, settings["run.iterations"]), all_samples(lake, name)

@@ -8,17 +8,13 @@ from __future__ import annotations
 import torch
 
 import models.trainer
-from flows.train import train_flow
-from tests.integration.runs import all_samples, final_params, write_config
+from tests.integration.runs import final_params, trained
 
 ITERS = 3
 
 
 def _run(tmp_path, name, on: bool):
-    settings = {"run.iterations": ITERS, "train.activation_checkpointing": on}
-    train_flow(config_path=write_config(tmp_path, name, settings))
-    lake = str(tmp_path / "lake")
-    return final_params(lake, name, ITERS), all_samples(lake, name)
+    return trained(tmp_path, name, {"run.iterations": ITERS, "train.activation_checkpointing": on})
 
 
 def test_a_checkpointed_run_equals_a_plain_one(tmp_path, monkeypatch):

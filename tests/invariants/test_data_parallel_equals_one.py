@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import models.data_parallel
 import tasks.train_ranks
-from flows.train import train_flow
-from tests.integration.runs import all_samples, final_params, write_config
+from tests.integration.runs import final_params, trained
 
 ITERS = 3
 
 
 def _run(tmp_path, name, ranks: int, shard: bool = False):
     settings = {"run.iterations": ITERS, "resources.train_ranks": ranks, "resources.shard_optimizer": shard}
-    train_flow(config_path=write_config(tmp_path, name, settings))
-    lake = str(tmp_path / "lake")
-    return final_params(lake, name, ITERS), all_samples(lake, name)
+    return trained(tmp_path, name, settings)
 
 
 def _max_param_diff(a: dict, b: dict) -> float:

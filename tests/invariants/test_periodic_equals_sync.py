@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 import tasks.iteration
-from flows.train import train_flow
-from tests.integration.runs import all_samples, final_params, write_config
+from tests.integration.runs import final_params, trained
 
 ITERS = 3
 
@@ -24,9 +23,7 @@ def _max_param_diff(a: dict, b: dict) -> float:
 
 
 def _run(tmp_path, name, mode, **extra):
-    train_flow(config_path=write_config(tmp_path, name, {"pipeline.mode": mode, "run.iterations": ITERS, **extra}))
-    lake = str(tmp_path / "lake")
-    return final_params(lake, name, ITERS), all_samples(lake, name)
+    return trained(tmp_path, name, {"pipeline.mode": mode, "run.iterations": ITERS, **extra})
 
 
 def test_periodic_equals_sync_and_negative_control(tmp_path, monkeypatch):

@@ -81,6 +81,7 @@ ARGPARSE_BENCHMARKS = [
     "rewards",
     "scoring",
     "checkpointing",
+    "logits_chunking",
 ]
 
 
@@ -140,6 +141,8 @@ def test_unknown_flag_exits_2(module, env):
         ("scoring", ["--judge", "oracle"], "argument --judge: invalid choice: 'oracle'"),
         ("checkpointing", ["--repeats", "0"], "--repeats 0: must be in [1, 100]"),
         ("checkpointing", ["--threads", "0"], "--threads 0: must be at least 1"),
+        ("logits_chunking", ["--chunk-tokens", "0"], "--chunk-tokens 0: must be at least 1"),
+        ("logits_chunking", ["--repeats", "101"], "--repeats 101: must be in [1, 100]"),
         ("catalog", ["--window", "0"], "--window 0: must be in [1, 1500]"),
         ("catalog", ["--iterations", "10", "--window", "11"], "--window 11: must be in [1, 10]"),
         ("catalog", ["--samples", "4"], "--samples 4: must be at least 8"),

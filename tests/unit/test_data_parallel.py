@@ -301,3 +301,32 @@ def test_two_ranks_equal_one_with_the_overlong_punishment():
         assert _max_diff(one.model, v0) > 1e-3
     finally:
         two.close()
+
+
+def test_two_ranks_with_chunked_log_probs_equal_one_with_the_whole_logits():
+    """`logits_chunk_tokens` given to a two-rank trainer (its replicas get it: `test_logits_chunking.py`) against one
+    process with the whole logits, with a KL term: weights within 1e-5 after two batches, the loss, the KL and the
+    entropy figures the same."""
+    one = build_tiny_model(VOCAB, seed=0, **TINY)
+    two = copy.deepcopy(one)
+    kw = dict(lr=1e-2, grad_clip=1.0, loss=LossSettings(kl_coef=0.1), shared_prompt=True)
+    frozen = lambda m: copy.deepcopy(m).requires_grad_(False)  # noqa: E731
+    plain = PolicyTrainer(one, frozen(one), **kw)
+    chunked = DataParallelTrainer(
+        two, frozen(two), ranks=2, threads=1, shard_optimizer=False, logits_chunk_tokens=5, **kw
+    )
+    try:
+        assert chunked.logits_chunk_tokens == 5
+        v0 = copy.deepcopy(one)
+        for batch in range(2):
+            for seed in range(0, 12, 3):
+                for t in (plain, chunked):
+                    t.micro_step([_group(seed + batch), _group(seed + 1), _group(seed + 2)], batch)
+            a, b = plain.optimizer_step(), chunked.optimizer_step()
+            for key in ("loss/policy", "kl/mean", "entropy/mean"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+            assert sum(chunked.rank_micro_batches[1:]) > 0
+            assert _max_diff(plain.model, chunked.model) <= 1e-5
+        assert _max_diff(plain.model, v0) > 1e-3
+    finally:
+        chunked.close()

@@ -73,11 +73,12 @@ def test_a_refused_step_leaves_no_gradient_behind():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_a_batch_without_response_tokens_is_refused_by_name():
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole-logits", "chunked"])
+def test_a_batch_without_response_tokens_is_refused_by_name(chunk):
     """Every response empty (e.g. an engine that stopped at once): the step is refused with the reason, not a
-    ZeroDivisionError, and the weights stay as they were."""
+    ZeroDivisionError, and the weights stay as they were (with chunked log-probs too: no chunk, still a graph)."""
     model = _model()
-    trainer = PolicyTrainer(model, None, lr=1e-2)
+    trainer = PolicyTrainer(model, None, lr=1e-2, logits_chunk_tokens=chunk)
     before = copy.deepcopy(model.state_dict())
     trainer.micro_step([RolloutGroup([5, 6, 7], [[], []], [0.0, 1.0], [[], []], [[], []])])
     with pytest.raises(RuntimeError, match="loss denominator is 0.0: the batch has no response tokens"):
@@ -199,11 +200,13 @@ def test_the_decoupled_loss_takes_the_configured_settings_and_logs_its_figures(i
     assert figures["mismatch/logp_abs"] == pytest.approx(2 * LN2, rel=1e-5)
 
 
-def test_a_micro_step_without_response_tokens_leaves_the_weight_figures_alone():
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole-logits", "chunked"])
+def test_a_micro_step_without_response_tokens_leaves_the_weight_figures_alone(chunk):
     """A micro-step whose responses are all empty trains no token: its neutral weight 1.0 (the empty mask's figure)
     must not become the batch's `is_weight/max` (it did: 1.0 beside tokens all of weight 1/2)."""
     model = _model()
-    trainer = PolicyTrainer(model, None, lr=1e-2, loss=LossSettings(decoupled=True, prox_logp="loglinear"))
+    loss = LossSettings(decoupled=True, prox_logp="loglinear")
+    trainer = PolicyTrainer(model, None, lr=1e-2, loss=loss, logits_chunk_tokens=chunk)
     trainer.micro_step([_with_behaviour(model, _group(2), shift=2 * LN2)], version=2)  # weights 1/2
     trainer.micro_step([_group(3, rewards=(0.0, 1.0), lens=(0, 0))], version=2)
     figures = trainer.optimizer_step()
