@@ -35,7 +35,7 @@ class Option:
 
 
 def _status_mb(field: str) -> float:
-    """`VmRSS` or `VmHWM` of this process in MB (/proc reports kB)."""
+    """`VmRSS` or `VmHWM` of this process in MiB (/proc reports KiB as kB; the figures' `_mb` too)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(f"{field}:"):

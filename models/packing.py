@@ -10,6 +10,7 @@ token t, so both layouts give log-probs of the same (S, T) shape.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -222,13 +223,19 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
 
 
+class LogitsSplitError(ValueError):
+    """`check_logits_split`'s refusal: the model's logits are not its output layer applied to its decoder's output."""
+
+
 def check_logits_split(model: torch.nn.Module) -> None:
-    """Raise ValueError, naming the setting, unless `model`'s logits are exactly its output layer applied to its
+    """Raise LogitsSplitError (a ValueError), naming the setting, unless `model`'s logits are exactly its output layer applied to its
     decoder's last hidden state (what `chunked_logprobs` computes them as). Judged in one forward pass of 8 tokens
     (eval mode, no grad) with hooks: the decoder must receive the input ids, attention mask and position ids the model
     was given, the output layer must take the decoder's last hidden state, and the logits must be the output layer's
-    output, each bit for bit. Most causal LMs (Llama, Qwen2/3, Mistral, GPT-2, OPT...) are; a model that rescales or
-    soft-caps its logits after the output layer (Gemma 2's final_logit_softcapping, Cohere's logit_scale) is not."""
+    output, each bit for bit (and in the same dtype). Most causal LMs (Llama, Qwen2/3, Mistral, GPT-2, OPT...) are; a
+    model that rescales or soft-caps its logits after the output layer (Gemma 2's final_logit_softcapping, Cohere's
+    logit_scale) is not, nor a multimodal wrapper that gives its language model embeddings instead of ids. In eval
+    mode: what a model would do between its decoder and its output layer in training only is not seen."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if decoder is None or head is None or decoder is model:
@@ -236,7 +243,7 @@ def check_logits_split(model: torch.nn.Module) -> None:
     else:
         reason = _split_mismatch(model, decoder, head)
     if reason is not None:
-        raise ValueError(
+        raise LogitsSplitError(
             f"train.logits_chunk_tokens: the model ({type(model).__name__}) cannot have its logits computed in "
             f"chunks: {reason}; set train.logits_chunk_tokens=null"
         )
@@ -245,7 +252,8 @@ def check_logits_split(model: torch.nn.Module) -> None:
 def _split_mismatch(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Module) -> str | None:
     """What in one probe pass of `model` differs from `head(decoder(inputs))`, or None."""
     device = next(model.parameters()).device
-    vocab = head.weight.shape[0]
+    sizes = [getattr(model.get_input_embeddings(), "num_embeddings", None), getattr(head, "out_features", None)]
+    vocab = min([s for s in sizes if s] or [8])  # ids both the embedding and the output layer have
     given = {
         "input_ids": torch.arange(8, device=device).mul(7919).remainder(vocab).unsqueeze(0),  # (1, 8) over the vocab
         "attention_mask": torch.ones((1, 8), dtype=torch.long, device=device),
@@ -253,11 +261,11 @@ def _split_mismatch(model: torch.nn.Module, decoder: torch.nn.Module, head: torc
     }
     seen: dict = {}
 
-    def decoder_inputs(_module, args, kwargs):
-        seen["inputs"] = {"input_ids": args[0] if args else None, **kwargs}
+    def decoder_inputs(module, args, kwargs):
+        seen["inputs"] = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
 
     def decoder_output(_module, _args, out):
-        seen["hidden"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        seen["hidden"] = out[0]  # last_hidden_state, as chunked_logprobs reads it
 
     def head_io(_module, args, out):
         seen["head_in"], seen["head_out"] = args[0], out
@@ -282,7 +290,8 @@ def _split_mismatch(model: torch.nn.Module, decoder: torch.nn.Module, head: torc
         passed = seen["inputs"].get(key)
         if not isinstance(passed, torch.Tensor) or passed.shape != value.shape or not torch.equal(passed, value):
             return f"its forward pass does not give its decoder the {key} it was given"
-    if seen["head_in"].shape != seen["hidden"].shape or not torch.equal(seen["head_in"], seen["hidden"]):
+    head_in, hidden = seen["head_in"], seen["hidden"]
+    if head_in.dtype != hidden.dtype or head_in.shape != hidden.shape or not torch.equal(head_in, hidden):
         return "its output layer does not take its decoder's last hidden state"
     if seen["head_out"].shape != logits.shape or not torch.equal(seen["head_out"].float(), logits.float()):
         return "its logits differ from its output layer's output"
@@ -309,7 +318,7 @@ def chunked_logprobs(
     the chunk is computed (forward, then again in the backward). Padding positions get 0. Returns (S, T) and, with
     `entropy`, (S, T) (else None); the entropies carry no grad. The model must pass `check_logits_split`."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(**_model_inputs(model, packed)).last_hidden_state  # (rows, L, H)
+    hidden = decoder(**_model_inputs(model, packed))[0]  # last_hidden_state (rows, L, H)
     device = hidden.device
     rows, pos = packed.gather_row.to(device).unsqueeze(-1), packed.gather_pos.to(device)  # (S, 1), (S, T)
     sel = packed.mask.to(device) > 0  # (S, T)

@@ -119,7 +119,7 @@ def _probe_logits_split(model_class, config) -> None:
     refusing."""
     import torch
 
-    from models.packing import check_logits_split
+    from models.packing import LogitsSplitError, check_logits_split
 
     try:
         configs = list({id(c): c for c in (config, config.get_text_config(decoder=True))}.values())
@@ -143,7 +143,7 @@ def _probe_logits_split(model_class, config) -> None:
         return
     try:
         check_logits_split(probe)
-    except ValueError:
+    except LogitsSplitError:
         raise
     except Exception:  # noqa: BLE001  (a forward pass a one-layer model breaks): the trainer probes the real one
         return

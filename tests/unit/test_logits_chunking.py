@@ -1,9 +1,9 @@
 """`train.logits_chunk_tokens`: the trainer's log-probs from the decoder's hidden states through the output layer a
 chunk of response tokens at a time (`models.packing.chunked_logprobs`), never the micro-batch's whole (S, T, V)
-logits. The log-probs, the entropies and the gradients are those of the whole logits up to float32 rounding, in every
-layout and chunk size; the reference's and the proximal model's log-probs come the same way; the data-parallel
-ranks' replicas do it too; a model whose logits are not its output layer applied to its decoder's output is refused,
-naming the setting."""
+logits. The log-probs, the entropies and the gradients are those of the whole logits up to float32 rounding, in both
+layouts and for chunks of 1, 5 and all tokens; the reference's and the proximal model's log-probs come the same way;
+the setting reaches the data-parallel ranks' replicas; a model whose logits are not its output layer applied to its
+decoder's output is refused, naming the setting."""
 
 from __future__ import annotations
 
@@ -213,3 +213,10 @@ def test_a_model_path_that_cannot_is_refused_before_any_work(tmp_path, monkeypat
     monkeypatch.setattr(tasks.preflight, "PROBE_MAX_PARAMS", 1000)  # the one-layer model has more: not probed
     check_inputs(load_config(None, [*arith, f"model.path={capped}", "train.logits_chunk_tokens=64"]))
     assert len(built) == 2 and not (tmp_path / "lake").exists()
+    monkeypatch.setattr(tasks.preflight, "PROBE_MAX_PARAMS", 10**9)
+
+    def broken(model):  # the shrunk model's own forward pass fails (transformers raises ValueError for many such)
+        raise ValueError("a forward pass that one layer breaks")
+
+    monkeypatch.setattr(models.packing, "check_logits_split", broken)  # not a refusal: left to the trainer
+    check_inputs(load_config(None, [*arith, f"model.path={capped}", "train.logits_chunk_tokens=64"]))
