@@ -228,14 +228,15 @@ class LogitsSplitError(ValueError):
 
 
 def check_logits_split(model: torch.nn.Module) -> None:
-    """Raise LogitsSplitError (a ValueError), naming the setting, unless `model`'s logits are exactly its output layer applied to its
-    decoder's last hidden state (what `chunked_logprobs` computes them as). Judged in one forward pass of 8 tokens
-    (eval mode, no grad) with hooks: the decoder must receive the input ids, attention mask and position ids the model
-    was given, the output layer must take the decoder's last hidden state, and the logits must be the output layer's
-    output, each bit for bit (and in the same dtype). Most causal LMs (Llama, Qwen2/3, Mistral, GPT-2, OPT...) are; a
-    model that rescales or soft-caps its logits after the output layer (Gemma 2's final_logit_softcapping, Cohere's
-    logit_scale) is not, nor a multimodal wrapper that gives its language model embeddings instead of ids. In eval
-    mode: what a model would do between its decoder and its output layer in training only is not seen."""
+    """Raise LogitsSplitError (a ValueError), naming the setting, unless `model`'s logits are exactly its output
+    layer applied to its decoder's last hidden state (what `chunked_logprobs` computes them as). Judged in one forward
+    pass of 8 tokens (eval mode, no grad) with hooks: the decoder must receive the input ids, attention mask and
+    position ids the model was given, the output layer must take the decoder's last hidden state, and the logits must
+    be the output layer's output, each bit for bit (and in the same dtype). Most causal LMs (Llama, Qwen2/3, Mistral,
+    GPT-2, OPT...) are; a model that rescales or soft-caps its logits after the output layer (Gemma 2's
+    final_logit_softcapping, Cohere's logit_scale) is not, nor a multimodal wrapper that gives its language model
+    embeddings instead of ids. In eval mode: what a model would do between its decoder and its output layer in
+    training only is not seen."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if decoder is None or head is None or decoder is model:

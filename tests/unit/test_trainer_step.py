@@ -76,7 +76,8 @@ def test_a_refused_step_leaves_no_gradient_behind():
 @pytest.mark.parametrize("chunk", [None, 4], ids=["whole-logits", "chunked"])
 def test_a_batch_without_response_tokens_is_refused_by_name(chunk):
     """Every response empty (e.g. an engine that stopped at once): the step is refused with the reason, not a
-    ZeroDivisionError, and the weights stay as they were (with chunked log-probs too: one empty chunk, still in the graph)."""
+    ZeroDivisionError, and the weights stay as they were (with chunked log-probs too: one empty chunk, still in the
+    graph)."""
     model = _model()
     trainer = PolicyTrainer(model, None, lr=1e-2, logits_chunk_tokens=chunk)
     before = copy.deepcopy(model.state_dict())
