@@ -356,6 +356,24 @@ class AlgorithmSection(_Section):
     overlong_penalty: float = Field(
         1.0, gt=0.0, le=1000.0, description="What the overlong punishment takes off a reward at max_new_tokens."
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling (modes sync and periodic): a group whose task rewards are all equal "
+        "(within dynamic_sampling_atol) has no advantage signal and is not trained; further rounds of "
+        "rollout.prompts_per_iteration prompts not yet in the batch are generated until prompts_per_iteration "
+        "groups are kept, dynamic_sampling_rounds rounds have run, or the training prompts run out. The batch is "
+        "the first prompts_per_iteration kept groups in plan order, round after round (fewer if the rounds ran "
+        "out; the first round's groups, as without dynamic sampling, if none was kept).",
+    )
+    dynamic_sampling_rounds: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="dynamic_sampling: at most this many rounds of prompts per batch, the first included.",
+    )
+    dynamic_sampling_atol: float = Field(
+        0.0, ge=0.0, description="dynamic_sampling: a group is kept when its rewards' max - min exceeds this."
+    )
 
 
 class TrainerSection(_Section):
@@ -597,6 +615,18 @@ class Config(_Section):
                 f"{self.rollout.max_new_tokens}: the punishment ramps over the last overlong_buffer tokens before "
                 "the limit; lower it (DAPO: 4,096 of 20,480)"
             )
+        a = self.algorithm
+        if a.dynamic_sampling:
+            if self.pipeline.mode == "async":
+                raise ValueError(
+                    "algorithm.dynamic_sampling applies to modes sync and periodic (async mode plans its batches "
+                    "ahead, before their rewards are known): set dynamic_sampling to false or use mode: periodic"
+                )
+            if self.rollout.group_size < 2:
+                raise ValueError(
+                    "algorithm.dynamic_sampling keeps the groups whose rewards differ, and a group of "
+                    "rollout.group_size=1 has one reward: raise group_size or set dynamic_sampling to false"
+                )
         m = self.algorithm.ppo_mini_batches
         if m > 1:
             if self.rollout.prompts_per_iteration % m:
@@ -831,6 +861,11 @@ _INERT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[Config], str | None]],
     ),
     ("algorithm", ("is_mode",), lambda c: None if c.algorithm.is_cap is not None else "algorithm.is_cap is null"),
     ("algorithm", ("kl_kind",), lambda c: None if c.algorithm.kl_coef > 0 else "algorithm.kl_coef is 0 (no KL term)"),
+    (
+        "algorithm",
+        ("dynamic_sampling_rounds", "dynamic_sampling_atol"),
+        lambda c: None if c.algorithm.dynamic_sampling else "algorithm.dynamic_sampling is false",
+    ),
     (
         "algorithm",
         ("overlong_penalty",),

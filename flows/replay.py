@@ -43,7 +43,8 @@ def recorded_batch(lake: Lake, record: dict) -> list[list[RolloutGroup]]:
 
 def train_recorded_batch(trainer, cfg: Config, record: dict, batch: list[list[RolloutGroup]]) -> dict:
     """Train one recorded batch as the train task did: the same version, plan, shard order and optimizer steps."""
-    steps = BatchSteps(trainer, cfg, record.get("prompt_ids") or [], record.get("policy_version", 0))
+    plan, rounds = record.get("prompt_ids") or [], record.get("rounds")
+    steps = BatchSteps(trainer, cfg, plan, record.get("policy_version", 0), rounds=rounds)
     for groups in batch:
         steps.add(groups)
     return steps.finish()

@@ -87,7 +87,8 @@ def _iteration(s: RunSession, k: int) -> dict:
         plan = plan_task(run_id, k)
         rollouts = [rollout_task.submit(run_id, k, w) for w in range(s.cfg.resources.rollout_workers)]
         s.release()  # the previous version's checkpoint and audit: beside this iteration, not before its plan
-        if mode == "sync":
+        if mode == "sync" and not s.cfg.algorithm.dynamic_sampling:  # (dynamic sampling: the train task plans the
+            # later rounds as the earlier ones land, training nothing till the last one is in)
             t_wait = time.perf_counter()
             for f in rollouts:
                 f.wait()

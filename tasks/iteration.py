@@ -15,10 +15,11 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from models.objectives import dynamic_sampling_keep
 from models.trainer import RolloutGroup, group_tokens, lr_factor, shaped_rewards
 from storage import checkpoints, faults, ledger
 from storage.shards import ShardError, read_shard
-from tasks.session import evaluate, iteration_prompt_ids, loss_settings, session
+from tasks.session import evaluate, iteration_prompt_ids, loss_settings, refill_prompt_ids, session
 from tasks.workers import Chunk, PoolClosed, WorkerError
 
 POLL_S = 0.01
@@ -32,8 +33,12 @@ def plan_task(run_id: str, iteration: int) -> dict:
     previous = ledger.read_record(s.lake, run_id, iteration)
     # a resumed iteration keeps the plan it was started with (its published shards were cut from it)
     prompt_ids = (previous or {}).get("prompt_ids") or iteration_prompt_ids(s.cfg, len(s.train_prompts), iteration)
-    k = s.cfg.pipeline.shard_groups
-    chunks = [Chunk(iteration, s.version, i // k, tuple(prompt_ids[i : i + k])) for i in range(0, len(prompt_ids), k)]
+    # dynamic sampling's rounds planned so far (each cut into chunks of its own); one round without it
+    rounds = (previous or {}).get("rounds") or [len(prompt_ids)]
+    chunks, start = [], 0
+    for size in rounds:
+        chunks += cut_chunks(s, iteration, prompt_ids[start : start + size], len(chunks))
+        start += size
     reused: list[int] = []
     quarantined: list[str] = []
     if previous is not None:  # a resumed iteration: keep every complete, valid shard of its own version
@@ -51,16 +56,46 @@ def plan_task(run_id: str, iteration: int) -> dict:
         policy_version=iteration,
         planned_at_version=s.version,
         prompt_ids=prompt_ids,
+        rounds=rounds,
         chunks=len(chunks) + len(reused),
         reused_chunks=reused,
         quarantined=quarantined,
         group_size=s.cfg.rollout.group_size,
     )
-    s.pool.enqueue(chunks)
+    s.pool.enqueue(chunks, last=not s.cfg.algorithm.dynamic_sampling)  # dynamic sampling: the train task ends it
     faults.point("after-plan")
     body = time.perf_counter() - t0
     s.storage_s += body
     return {"groups": len(prompt_ids), "chunks": len(chunks), "version": s.version, "body_s": body}
+
+
+def cut_chunks(s, iteration: int, prompt_ids: list[int], first: int) -> list[Chunk]:
+    """The workers' chunks of `prompt_ids` (`pipeline.shard_groups` prompts each), numbered from `first`."""
+    k = s.cfg.pipeline.shard_groups
+    return [
+        Chunk(iteration, s.version, first + i // k, tuple(prompt_ids[i : i + k])) for i in range(0, len(prompt_ids), k)
+    ]
+
+
+def plan_round(s, run_id: str, iteration: int) -> list[int]:
+    """Dynamic sampling: plan the iteration's next round of prompts (`tasks.session.refill_prompt_ids`), record it in
+    the ledger, then put its chunks on the workers' queue; returns its prompt ids (none once the prompts ran out)."""
+    rec = ledger.read_record(s.lake, run_id, iteration)
+    taken, rounds = rec["prompt_ids"], rec.get("rounds") or [len(rec["prompt_ids"])]
+    new = refill_prompt_ids(s.cfg, len(s.train_prompts), iteration, len(rounds), taken)
+    if new:
+        chunks = cut_chunks(s, iteration, new, rec["chunks"])
+        # durable before any of its shards can be: a resume plans the rounds the ledger holds
+        ledger.annotate(
+            s.lake,
+            run_id,
+            iteration,
+            prompt_ids=taken + new,
+            rounds=[*rounds, len(new)],
+            chunks=rec["chunks"] + len(chunks),
+        )
+        s.pool.enqueue(chunks, last=False)
+    return new
 
 
 def list_shards(s, run_id: str, iteration: int) -> list[str]:
@@ -217,6 +252,117 @@ _SUMMED = (
 )
 
 
+class KeptGroups:
+    """Dynamic sampling's batch (`algorithm.dynamic_sampling`, DAPO): of the groups planned, round after round and in
+    plan order, the first `size` whose rewards are not all equal (`models.objectives.dynamic_sampling_keep`).
+
+    Fed whole groups in any order of arrival, `add` returns those decided into the batch with their positions in it,
+    so the batch does not depend on the order in which shards land. A group is decided once every group planned
+    before it has landed; a kept group of the first round is returned at once when positions are not needed
+    (`ordered` false: one optimizer step), since the first round plans at most `size` groups, all of whose kept ones
+    are in the batch. With `defer` (sync mode: nothing trains while rollouts run) nothing is returned before `close`.
+    """
+
+    def __init__(self, size: int, atol: float, ordered: bool, defer: bool):
+        self.size, self.atol, self.ordered, self.defer = size, atol, ordered, defer
+        self.plan: list[int] = []
+        self.position: dict[int, int] = {}  # prompt id -> plan position
+        self.first_round = 0
+        self.rounds = 0
+        self.landed: dict[int, RolloutGroup] = {}  # landed and not yet decided
+        self.decided = 0  # plan positions decided
+        self.kept: list[int] = []  # the batch's prompt ids, in batch order
+        self.dropped: list[int] = []  # rewards all equal
+        self.surplus: list[int] = []  # kept, past the batch's end
+        self.released: set[int] = set()
+        self.held: list[tuple[RolloutGroup, int | None]] = []  # decided, waiting for `close` (defer)
+        self.first_dropped: list[RolloutGroup] = []  # the fallback batch of a batch that kept none
+        self.fallback = False
+
+    def add_round(self, prompt_ids: list[int]) -> None:
+        if not self.plan:
+            self.first_round = len(prompt_ids)
+        for pid in prompt_ids:
+            if pid in self.position:
+                raise ValueError(f"prompt {pid} planned twice in one batch")
+            self.position[pid] = len(self.plan)
+            self.plan.append(pid)
+        self.rounds += 1
+
+    def _signal(self, g: RolloutGroup) -> bool:
+        keep, _ = dynamic_sampling_keep(torch.tensor([g.rewards], dtype=torch.float64), self.atol)
+        return bool(keep[0])
+
+    def add(self, groups: list[RolloutGroup]) -> tuple[list[RolloutGroup], list[int | None]]:
+        out: list[tuple[RolloutGroup, int | None]] = []
+        for g in groups:
+            if g.prompt_id not in self.position:
+                raise ShardError(f"a group of prompt {g.prompt_id} is not in this batch's plan")
+            if g.prompt_id in self.landed or self.position[g.prompt_id] < self.decided:
+                raise ShardError(f"a second group of prompt {g.prompt_id} in one batch")
+            self.landed[g.prompt_id] = g
+            early = not self.ordered and self.position[g.prompt_id] < self.first_round
+            if early and self._signal(g):
+                out.append((g, None))
+                self.released.add(g.prompt_id)
+        while self.decided < len(self.plan) and self.plan[self.decided] in self.landed:
+            pid = self.plan[self.decided]
+            g = self.landed.pop(pid)
+            if not self._signal(g):
+                self.dropped.append(pid)
+                if self.decided < self.first_round:
+                    self.first_dropped.append(g)
+            elif len(self.kept) < self.size:
+                if pid not in self.released:
+                    out.append((g, len(self.kept)))
+                self.kept.append(pid)
+            else:
+                self.surplus.append(pid)
+            self.decided += 1
+        if self.defer:
+            self.held += out
+            out = []
+        return [g for g, _ in out], [p for _, p in out]
+
+    @property
+    def complete(self) -> bool:
+        """Every planned group has landed (and is decided)."""
+        return self.decided == len(self.plan)
+
+    @property
+    def short(self) -> bool:
+        return len(self.kept) < self.size
+
+    def close(self) -> tuple[list[RolloutGroup], list[int | None]]:
+        """No more rounds: what is left to train (held groups; the first round's, in plan order, if none was kept)."""
+        if not self.complete:
+            missing = len(self.plan) - self.decided - len(self.landed)
+            raise RuntimeError(f"batch incomplete: {missing} planned groups not landed")
+        out, self.held = self.held, []
+        if not self.kept:
+            self.fallback = True
+            out = [(g, i) for i, g in enumerate(self.first_dropped)]
+        return [g for g, _ in out], [p for _, p in out]
+
+    @property
+    def batch_groups(self) -> int:
+        return len(self.first_dropped) if self.fallback else len(self.kept)
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "filter/kept_groups": float(len(self.kept)),
+            "filter/dropped_groups": float(len(self.dropped)),
+            "filter/surplus_groups": float(len(self.surplus)),
+            "filter/rounds": float(self.rounds),
+            "filter/fallback": float(self.fallback),
+        }
+
+    def decisions(self) -> dict:
+        """For the ledger (the catalog's record of what was trained)."""
+        trained = self.plan[: self.first_round] if self.fallback else self.kept
+        return {"trained": list(trained), "dropped": self.dropped, "surplus": self.surplus, "fallback": self.fallback}
+
+
 class BatchSteps:
     """A batch's optimizer steps, fed whole groups in any order of arrival.
 
@@ -225,9 +371,13 @@ class BatchSteps:
     every earlier mini-batch has had its step. So the steps do not depend on the order in which shards land (the
     periodic-equals-sync invariant), and M = 1 is the streaming single step of DESIGN.md (the plan is not read).
     Creating it sets the trainer's learning rate to the schedule's rate for this batch (`version`). `before_step` is
-    called before each optimizer step (the train task waits there for a checkpoint written from the live tensors)."""
+    called before each optimizer step (the train task waits there for a checkpoint written from the live tensors).
 
-    def __init__(self, trainer, cfg, plan: list[int], version: int, before_step=None):
+    With `algorithm.dynamic_sampling` the groups go through `KeptGroups` first: `plan` holds every round's prompt ids
+    and `rounds` their counts (`add_round` plans one more), a group's mini-batch is its place among the kept groups,
+    and a batch that kept fewer than `rollout.prompts_per_iteration` groups takes fewer steps."""
+
+    def __init__(self, trainer, cfg, plan: list[int], version: int, before_step=None, rounds: list[int] | None = None):
         self.trainer, self.version = trainer, version
         self.before_step = before_step or (lambda: None)
         t = cfg.trainer
@@ -235,8 +385,23 @@ class BatchSteps:
             lr_factor(version, cfg.run.iterations, kind=t.lr_schedule, warmup=t.warmup_steps, min_ratio=t.min_lr_ratio)
         )
         self.budget, self.shared = cfg.train.micro_batch_tokens, cfg.train.shared_prompt
-        self.m = cfg.algorithm.ppo_mini_batches
-        self.size = len(plan) // self.m
+        a = cfg.algorithm
+        self.m = a.ppo_mini_batches
+        self.sampling = None
+        self.max_rounds = a.dynamic_sampling_rounds
+        if a.dynamic_sampling:
+            B = cfg.rollout.prompts_per_iteration
+            self.sampling = KeptGroups(
+                B, a.dynamic_sampling_atol, ordered=self.m > 1, defer=cfg.pipeline.mode == "sync"
+            )
+            start = 0
+            for size in rounds or [len(plan)]:
+                self.sampling.add_round(plan[start : start + size])
+                start += size
+            plan = []  # positions come from the kept groups' order
+        else:
+            B = len(plan)
+        self.size = B // self.m
         self.position = {pid: i for i, pid in enumerate(plan)} if self.m > 1 else {}
         self.waiting: list[list[RolloutGroup]] = [[] for _ in range(self.m)]
         self.done = [0] * self.m
@@ -244,17 +409,35 @@ class BatchSteps:
         self.seen: set[int] = set()
         self.steps: list[dict] = []
 
+    def add_round(self, prompt_ids: list[int]) -> None:
+        """Dynamic sampling: another round of prompts is planned."""
+        self.sampling.add_round(prompt_ids)
+
+    @property
+    def wants_round(self) -> bool:
+        """Dynamic sampling: every planned group has landed, fewer than the batch were kept, and rounds are left."""
+        k = self.sampling
+        return k is not None and k.complete and k.short and k.rounds < self.max_rounds
+
     def add(self, groups: list[RolloutGroup]) -> None:
-        for g in groups:
+        positions: list[int | None] = [None] * len(groups)
+        if self.sampling is not None:
+            groups, positions = self.sampling.add(groups)
+        self._train(groups, positions)
+
+    def _train(self, groups: list[RolloutGroup], positions: list[int | None]) -> None:
+        for g, position in zip(groups, positions, strict=True):
             if self.m == 1:
                 self.waiting[0].append(g)
                 continue
-            if g.prompt_id not in self.position:
-                raise ShardError(f"a group of prompt {g.prompt_id} is not in this batch's plan")
-            if g.prompt_id in self.seen:
-                raise ShardError(f"a second group of prompt {g.prompt_id} in one batch")
-            self.seen.add(g.prompt_id)
-            self.waiting[self.position[g.prompt_id] // self.size].append(g)
+            if position is None:
+                if g.prompt_id not in self.position:
+                    raise ShardError(f"a group of prompt {g.prompt_id} is not in this batch's plan")
+                if g.prompt_id in self.seen:
+                    raise ShardError(f"a second group of prompt {g.prompt_id} in one batch")
+                self.seen.add(g.prompt_id)
+                position = self.position[g.prompt_id]
+            self.waiting[position // self.size].append(g)
         while True:
             ready, self.waiting[self.current] = self.waiting[self.current], []
             for mb in micro_batches(ready, self.budget, self.shared):
@@ -269,15 +452,31 @@ class BatchSteps:
 
     def finish(self) -> dict[str, float]:
         """The last step; the batch's figures (summed or averaged over its steps)."""
-        if self.m > 1 and (self.current != self.m - 1 or self.done[-1] != self.size):
-            raise RuntimeError(
-                f"batch incomplete: mini-batch {self.current} of {self.m}, groups per mini-batch "
-                f"{self.done} (expected {self.size} each)"
-            )
-        self.before_step()
-        self.steps.append(self.trainer.optimizer_step())
+        total = self.size * self.m
+        if self.sampling is not None:
+            self._train(*self.sampling.close())
+            total = self.sampling.batch_groups
+        stepped = False  # a short batch (dynamic sampling) whose last mini-batch was full: stepped already
+        if self.m > 1:
+            expected = [min(self.size, max(0, total - i * self.size)) for i in range(self.m)]
+            last = max(0, -(-total // self.size) - 1)  # the mini-batch of the batch's last group
+            stepped = self.current > last
+            if self.current != last + stepped or self.done != expected:
+                raise RuntimeError(
+                    f"batch incomplete: mini-batch {self.current} of {self.m}, groups per mini-batch "
+                    f"{self.done} (expected {expected})"
+                )
+        if not stepped:
+            self.before_step()
+            self.steps.append(self.trainer.optimizer_step())
+        figures = self._figures()
+        if self.sampling is not None:
+            figures.update(self.sampling.figures())
+        return figures
+
+    def _figures(self) -> dict[str, float]:
         if len(self.steps) == 1:
-            return self.steps[0]
+            return dict(self.steps[0])
         out = {}
         for key in dict.fromkeys(k for f in self.steps for k in f):  # a step that trained no token lacks some figures
             steps = [f for f in self.steps if key in f]
@@ -338,7 +537,8 @@ def _check_rollouts_finished(s, run_id: str, iteration: int, seen: set[str], mis
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(run_id: str, iteration: int, expected_groups: int, started_at: float) -> dict:
     """Stream the iteration's shards as they land, micro-step on each, one optimizer step at the end (one per PPO
-    mini-batch with `algorithm.ppo_mini_batches` > 1)."""
+    mini-batch with `algorithm.ppo_mini_batches` > 1). With `algorithm.dynamic_sampling`, once every planned group
+    has landed it plans the next round (`plan_round`) while the batch is short, or ends the workers' iteration."""
     s = session(run_id)
     t_task = time.perf_counter()
     max_staleness = s.cfg.pipeline.max_staleness if s.cfg.pipeline.mode == "async" else 0
@@ -350,47 +550,69 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
     rewards: list[float] = []
     staleness: list[int] = []
     plan: list[int] = []
-    if s.cfg.algorithm.ppo_mini_batches > 1:  # mini-batch membership follows the plan as plan_task recorded it
+    rounds = None
+    rounds_open = s.cfg.algorithm.dynamic_sampling  # the workers wait at their queue for another round, or its end
+    if s.cfg.algorithm.ppo_mini_batches > 1 or rounds_open:  # mini-batches, kept groups: by the plan as recorded
         t_plan = time.perf_counter()
-        plan = ledger.read_record(s.lake, run_id, iteration)["prompt_ids"]
+        rec = ledger.read_record(s.lake, run_id, iteration)
+        plan, rounds = rec["prompt_ids"], rec.get("rounds")
         storage += time.perf_counter() - t_plan
-    steps = BatchSteps(s.trainer, s.cfg, plan, s.version, before_step=s.wait_saved)
+    steps = BatchSteps(s.trainer, s.cfg, plan, s.version, before_step=s.wait_saved, rounds=rounds)
     torch.set_num_threads(s.cfg.resources.train_threads)  # the workers generate this iteration's rollouts
-    while groups_done < expected_groups:
-        t0 = time.perf_counter()
-        new = [p for p in list_shards(s, run_id, iteration) if p not in seen]
-        if not new:
-            if not s.pool.alive():
-                raise WorkerError(s.pool.failure())
-            if s.rollouts and all(f.wrapped_future.done() for f in s.rollouts):
-                _check_rollouts_finished(s, run_id, iteration, seen, expected_groups - groups_done)
+    try:
+        while groups_done < expected_groups or rounds_open:
+            t0 = time.perf_counter()
+            if groups_done >= expected_groups:  # dynamic sampling: every planned group is in; another round, or none
+                new_round = plan_round(s, run_id, iteration) if steps.wants_round else []
+                if new_round:
+                    steps.add_round(new_round)
+                    expected_groups += len(new_round)
+                else:
+                    s.pool.enqueue([])  # the stop markers: the rollout tasks return
+                    rounds_open = False
+                    torch.set_num_threads(idle_rollout_threads(s.cfg))  # workers idle till promotion
+                storage += time.perf_counter() - t0
                 continue
-            time.sleep(POLL_S)
-            wait += time.perf_counter() - t0
-            continue
-        if first_shard_s is None:
-            first_shard_s = time.perf_counter() - started_at
-        t1 = time.perf_counter()
-        landed = []
-        for path in new:
-            seen.add(path)
-            table = read_shard(s.lake, path)
-            landed.append(
-                (path, table.schema.metadata[b"lockstep.sha256"].decode(), groups_of(table, s.cfg.rollout.group_size))
-            )
-        storage += time.perf_counter() - t1
-        if groups_done + sum(len(g) for _, _, g in landed) >= expected_groups:  # all in: workers idle till promotion
-            torch.set_num_threads(idle_rollout_threads(s.cfg))
-        for path, checksum, groups in landed:
-            t2 = time.perf_counter()
-            shard_staleness = token_staleness(path, groups, s.version, max_staleness)
-            for g in groups:
-                rewards.extend(g.rewards)
-            staleness.extend(shard_staleness)
-            steps.add(groups)
-            busy += time.perf_counter() - t2
-            groups_done += len(groups)
-            shards.append({"path": path, "checksum": checksum, "groups": len(groups)})
+            new = [p for p in list_shards(s, run_id, iteration) if p not in seen]
+            if not new:
+                if not s.pool.alive():
+                    raise WorkerError(s.pool.failure())
+                if s.rollouts and all(f.wrapped_future.done() for f in s.rollouts):
+                    _check_rollouts_finished(s, run_id, iteration, seen, expected_groups - groups_done)
+                    continue
+                time.sleep(POLL_S)
+                wait += time.perf_counter() - t0
+                continue
+            if first_shard_s is None:
+                first_shard_s = time.perf_counter() - started_at
+            t1 = time.perf_counter()
+            landed = []
+            for path in new:
+                seen.add(path)
+                table = read_shard(s.lake, path)
+                landed.append(
+                    (
+                        path,
+                        table.schema.metadata[b"lockstep.sha256"].decode(),
+                        groups_of(table, s.cfg.rollout.group_size),
+                    )
+                )
+            storage += time.perf_counter() - t1
+            if not rounds_open and groups_done + sum(len(g) for _, _, g in landed) >= expected_groups:
+                torch.set_num_threads(idle_rollout_threads(s.cfg))  # all in: workers idle till promotion
+            for path, checksum, groups in landed:
+                t2 = time.perf_counter()
+                shard_staleness = token_staleness(path, groups, s.version, max_staleness)
+                for g in groups:
+                    rewards.extend(g.rewards)
+                staleness.extend(shard_staleness)
+                steps.add(groups)
+                busy += time.perf_counter() - t2
+                groups_done += len(groups)
+                shards.append({"path": path, "checksum": checksum, "groups": len(groups)})
+    finally:
+        if rounds_open:  # a failure with the workers waiting for a round: their rollout tasks end
+            s.pool.enqueue([])
     t3 = time.perf_counter()
     figures = steps.finish()
     busy += time.perf_counter() - t3
@@ -411,7 +633,8 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
         }
     )
     t_ledger = time.perf_counter()
-    ledger.write_record(s.lake, run_id, iteration, "trained", shards=shards, figures=figures)
+    decided = {"dynamic_sampling": steps.sampling.decisions()} if steps.sampling is not None else {}
+    ledger.write_record(s.lake, run_id, iteration, "trained", shards=shards, figures=figures, **decided)
     s.storage_s += time.perf_counter() - t_ledger
     figures["time/train_task_s"] = time.perf_counter() - t_task
     return figures
@@ -519,6 +742,9 @@ def catalog_iteration(run_id: str, iteration: int, version: int) -> int:
     rec = ledger.read_record(s.lake, run_id, iteration)
     overlong = loss_settings(s.cfg).overlong  # the rewards the trainer took advantages of (the stored are the task's)
     tables, shard_rows = [], []
+    # dynamic sampling: a group not trained (rewards all equal, or past the batch's end) has no advantage (null)
+    decided = rec.get("dynamic_sampling")
+    trained = set(decided["trained"]) if decided else None
     for sh in rec["shards"]:
         t = read_shard(s.lake, sh["path"], sh["checksum"])
         adv = torch.zeros(t.num_rows)
@@ -535,7 +761,13 @@ def catalog_iteration(run_id: str, iteration: int, version: int) -> int:
             for it, g, j in zip(t.column("iteration").to_pylist(), gid, t.column("sample_index").to_pylist())
         ]
         t = t.replace_schema_metadata(None)
-        t = t.append_column("sample_id", pa.array(ids)).append_column("advantage", pa.array(adv.tolist()))
+        advantages = adv.tolist()
+        if trained is not None:
+            pids = t.column("prompt_id").to_pylist()
+            advantages = [a if p in trained else None for a, p in zip(advantages, pids)]
+        t = t.append_column("sample_id", pa.array(ids)).append_column(
+            "advantage", pa.array(advantages, type=pa.float64())
+        )
         tables.append(t.append_column("shard", pa.array([sh["path"]] * t.num_rows)))
         # the version that generated the shard (its chunk started on it; async: older than the trainer's)
         generated = t.column("policy_version")[0].as_py()

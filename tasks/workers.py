@@ -702,11 +702,13 @@ class WorkerPool:
             raise WorkerError(f"rollout worker {w}: expected {kind!r}, got {msg[0]!r}")
         return msg[1]
 
-    def enqueue(self, chunks: list[Chunk]) -> None:
-        """Put one iteration's chunks on the shared queue, then one stop marker per worker."""
+    def enqueue(self, chunks: list[Chunk], last: bool = True) -> None:
+        """Put chunks of an iteration on the shared queue, then, if they are its `last`, one stop marker per worker
+        (a worker's `run` ends at it). With `last=False` the workers wait at the queue for more: the iteration's next
+        round of dynamic sampling, or `enqueue([])` that ends it."""
         for c in chunks:
             self.work.put(c)
-        for _ in range(self.n):
+        for _ in range(self.n if last else 0):
             self.work.put(_STOP)
 
     def run(self, worker: int, version: int, source: str | SharedWeights, timeout_s: float = 3600.0) -> dict:

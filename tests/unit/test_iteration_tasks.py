@@ -20,7 +20,7 @@ from storage.lake import Lake
 from storage.shards import SampleRecord, write_shard
 from tasks import iteration
 from tasks import session as session_module
-from tasks.session import iteration_prompt_ids
+from tasks.session import iteration_prompt_ids, refill_prompt_ids
 
 RUN = "plan"
 N_TRAIN = 20
@@ -29,9 +29,11 @@ N_TRAIN = 20
 class _Pool:
     def __init__(self):
         self.enqueued: list = []
+        self.last: list[bool] = []
 
-    def enqueue(self, chunks) -> None:
+    def enqueue(self, chunks, last: bool = True) -> None:
         self.enqueued.append(list(chunks))
+        self.last.append(last)
 
 
 def _session(tmp_path, monkeypatch, overrides=(), version: int = 0) -> SimpleNamespace:
@@ -98,6 +100,39 @@ def test_plan_cuts_the_batch_into_numbered_chunks_and_records_it(tmp_path, monke
     assert (rec["policy_version"], rec["planned_at_version"], rec["prompt_ids"], rec["chunks"]) == (2, 2, plan, 3)
     assert rec["reused_chunks"] == [] and rec["quarantined"] == [] and rec["group_size"] == 2
     assert (out["groups"], out["chunks"], out["version"]) == (8, 3, 2)
+
+
+def test_dynamic_sampling_records_each_round_before_its_chunks_and_a_resume_cuts_them_again(tmp_path, monkeypatch):
+    """Dynamic sampling: the workers get no stop marker with a round (the train task ends the iteration); a later
+    round is in the ledger (plan, round sizes, chunk count) before its chunks are enqueued, numbered after the
+    earlier rounds'; a resume plans every recorded round, each cut on its own; with the prompts spent, none."""
+    s = _session(tmp_path, monkeypatch, ["algorithm.dynamic_sampling=true"], version=1)
+    iteration.plan_task.fn(RUN, 1)
+    first = iteration_prompt_ids(s.cfg, N_TRAIN, 1)
+    enqueued = {}
+
+    def enqueue(chunks, last=True):  # what the ledger held when the chunks reached the queue
+        enqueued["rec"] = ledger.read_record(s.lake, RUN, 1)
+        _Pool.enqueue(s.pool, chunks, last)
+
+    monkeypatch.setattr(s.pool, "enqueue", enqueue)
+    new = iteration.plan_round(s, RUN, 1)
+    assert new == refill_prompt_ids(s.cfg, N_TRAIN, 1, 1, first) and len(new) == 8 and not set(new) & set(first)
+    (round0, round1) = s.pool.enqueued
+    assert s.pool.last == [False, False]
+    assert [c.index for c in round1] == [3, 4, 5] and [p for c in round1 for p in c.prompt_ids] == new
+    assert [len(c.prompt_ids) for c in round1] == [3, 3, 2]  # a round's chunks do not straddle rounds
+    rec = ledger.read_record(s.lake, RUN, 1)
+    assert enqueued["rec"]["rounds"] == rec["rounds"] == [8, 8]  # recorded before the enqueue
+    assert rec["prompt_ids"] == first + new and rec["chunks"] == 6 and rec["state"] == "rolling_out"
+    s.pool = _Pool()
+    iteration.plan_task.fn(RUN, 1)
+    (again,) = s.pool.enqueued
+    assert [(c.index, c.prompt_ids) for c in again] == [(c.index, c.prompt_ids) for c in round0 + round1]
+    assert ledger.read_record(s.lake, RUN, 1)["rounds"] == [8, 8]
+    third = iteration.plan_round(s, RUN, 1)
+    assert sorted(third) == sorted(set(range(N_TRAIN)) - set(first + new))  # the 4 left
+    assert iteration.plan_round(s, RUN, 1) == [] and len(s.pool.enqueued) == 2  # none left: nothing enqueued
 
 
 def test_async_plans_ahead_under_the_batch_version(tmp_path, monkeypatch):

@@ -111,12 +111,13 @@ def test_an_existing_target_is_refused_before_anything_is_written_into_it(tmp_pa
 
 def test_a_recorded_batch_is_trained_at_its_recorded_version_plan_and_shard_order(monkeypatch):
     """The replayed optimizer steps are the original ones only if the batch is trained as the train task did: the
-    version the ledger recorded, its prompt plan, the shards in the order it consumed them."""
+    version the ledger recorded, its prompt plan (and dynamic sampling's rounds of it), the shards in the order it
+    consumed them."""
     calls = []
 
     class Steps:
-        def __init__(self, trainer, cfg, prompt_ids, version):
-            calls.append(("start", prompt_ids, version))
+        def __init__(self, trainer, cfg, prompt_ids, version, rounds):
+            calls.append(("start", prompt_ids, version, rounds))
 
         def add(self, groups):
             calls.append(("add", groups))
@@ -125,9 +126,9 @@ def test_a_recorded_batch_is_trained_at_its_recorded_version_plan_and_shard_orde
             return {"done": True}
 
     monkeypatch.setattr(replay, "BatchSteps", Steps)
-    record = {"prompt_ids": [3, 1], "policy_version": 4}
+    record = {"prompt_ids": [3, 1, 7], "policy_version": 4, "rounds": [2, 1]}
     assert replay.train_recorded_batch("trainer", "cfg", record, [["a"], ["b"], ["c"]]) == {"done": True}
-    assert calls == [("start", [3, 1], 4), ("add", ["a"]), ("add", ["b"]), ("add", ["c"])]
+    assert calls == [("start", [3, 1, 7], 4, [2, 1]), ("add", ["a"]), ("add", ["b"]), ("add", ["c"])]
 
 
 def test_the_replays_trainer_is_closed_when_the_replay_fails(tmp_path, tiny_hf, monkeypatch):
