@@ -8,6 +8,7 @@ live in-memory state, and what a resume may skip is decided by the ledger in the
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import time
 
@@ -77,12 +78,13 @@ def cut_chunks(s, iteration: int, prompt_ids: list[int], first: int) -> list[Chu
     ]
 
 
-def plan_round(s, run_id: str, iteration: int) -> list[int]:
-    """Dynamic sampling: plan the iteration's next round of prompts (`tasks.session.refill_prompt_ids`), record it in
-    the ledger, then put its chunks on the workers' queue; returns its prompt ids (none once the prompts ran out)."""
+def plan_round(s, run_id: str, iteration: int, count: int) -> list[int]:
+    """Dynamic sampling: plan the iteration's next round of `count` prompts (`tasks.session.refill_prompt_ids`),
+    record it in the ledger, then put its chunks on the workers' queue; returns its prompt ids (none once the prompts
+    ran out)."""
     rec = ledger.read_record(s.lake, run_id, iteration)
     taken, rounds = rec["prompt_ids"], rec.get("rounds") or [len(rec["prompt_ids"])]
-    new = refill_prompt_ids(s.cfg, len(s.train_prompts), iteration, len(rounds), taken)
+    new = refill_prompt_ids(len(s.train_prompts), s.cfg.run.seed, iteration, len(rounds), taken, count)
     if new:
         chunks = cut_chunks(s, iteration, new, rec["chunks"])
         # durable before any of its shards can be: a resume plans the rounds the ledger holds
@@ -143,7 +145,9 @@ def _valid_chunks(s, run_id: str, iteration: int) -> tuple[list[int], list[str]]
 def rollout_task(run_id: str, iteration: int, worker: int) -> dict:
     """One rollout worker drains the iteration's chunk queue; returns its shards and busy time."""
     s = session(run_id)
-    return _unless_closed(lambda: s.pool.run(worker, s.version, s.weights_source()))
+    a = s.cfg.algorithm
+    timeout_s = 3600.0 * (a.dynamic_sampling_rounds if a.dynamic_sampling else 1)  # (per round of prompts)
+    return _unless_closed(lambda: s.pool.run(worker, s.version, s.weights_source(), timeout_s))
 
 
 def _unless_closed(wait_for_worker):
@@ -333,6 +337,16 @@ class KeptGroups:
     def short(self) -> bool:
         return len(self.kept) < self.size
 
+    def refill(self, multiple: int) -> int:
+        """The next round's prompt count: the groups still missing over the share kept so far (all planned groups are
+        decided), rounded up to a whole number of `multiple` (the workers' chunks), at most the batch; the batch where
+        none was kept."""
+        missing = self.size - len(self.kept)
+        if not self.kept:
+            return self.size
+        expected = -(-missing * len(self.plan) // len(self.kept))
+        return min(self.size, -(-expected // multiple) * multiple)
+
     def close(self) -> tuple[list[RolloutGroup], list[int | None]]:
         """No more rounds: what is left to train (held groups; the first round's, in plan order, if none was kept)."""
         if not self.complete:
@@ -388,7 +402,7 @@ class BatchSteps:
         a = cfg.algorithm
         self.m = a.ppo_mini_batches
         self.sampling = None
-        self.max_rounds = a.dynamic_sampling_rounds
+        self.max_rounds, self.chunk = a.dynamic_sampling_rounds, cfg.pipeline.shard_groups
         if a.dynamic_sampling:
             B = cfg.rollout.prompts_per_iteration
             self.sampling = KeptGroups(
@@ -413,19 +427,26 @@ class BatchSteps:
         """Dynamic sampling: another round of prompts is planned."""
         self.sampling.add_round(prompt_ids)
 
-    @property
-    def wants_round(self) -> bool:
-        """Dynamic sampling: every planned group has landed, fewer than the batch were kept, and rounds are left."""
+    def next_round(self) -> int:
+        """Dynamic sampling, once every planned group has landed: the prompts of the round to plan next (`KeptGroups.
+        refill`), or 0: the batch is full, or its rounds are spent."""
         k = self.sampling
-        return k is not None and k.complete and k.short and k.rounds < self.max_rounds
+        if k is None or not (k.complete and k.short and k.rounds < self.max_rounds):
+            return 0
+        return k.refill(self.chunk)
 
     def add(self, groups: list[RolloutGroup]) -> None:
-        positions: list[int | None] = [None] * len(groups)
-        if self.sampling is not None:
-            groups, positions = self.sampling.add(groups)
-        self._train(groups, positions)
+        self.train(*self.admit(groups))
 
-    def _train(self, groups: list[RolloutGroup], positions: list[int | None]) -> None:
+    def admit(self, groups: list[RolloutGroup]) -> tuple[list[RolloutGroup], list[int | None]]:
+        """The groups to train now, with their places in the batch (None: by the plan): with dynamic sampling those
+        `KeptGroups` releases (it decides on every group it is given), all of them otherwise."""
+        if self.sampling is None:
+            return groups, [None] * len(groups)
+        return self.sampling.add(groups)
+
+    def train(self, groups: list[RolloutGroup], positions: list[int | None]) -> None:
+        """Micro-step on admitted groups; an optimizer step for each mini-batch they complete."""
         for g, position in zip(groups, positions, strict=True):
             if self.m == 1:
                 self.waiting[0].append(g)
@@ -454,7 +475,7 @@ class BatchSteps:
         """The last step; the batch's figures (summed or averaged over its steps)."""
         total = self.size * self.m
         if self.sampling is not None:
-            self._train(*self.sampling.close())
+            self.train(*self.sampling.close())
             total = self.sampling.batch_groups
         stepped = False  # a short batch (dynamic sampling) whose last mini-batch was full: stepped already
         if self.m > 1:
@@ -552,27 +573,16 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
     plan: list[int] = []
     rounds = None
     rounds_open = s.cfg.algorithm.dynamic_sampling  # the workers wait at their queue for another round, or its end
-    if s.cfg.algorithm.ppo_mini_batches > 1 or rounds_open:  # mini-batches, kept groups: by the plan as recorded
-        t_plan = time.perf_counter()
-        rec = ledger.read_record(s.lake, run_id, iteration)
-        plan, rounds = rec["prompt_ids"], rec.get("rounds")
-        storage += time.perf_counter() - t_plan
-    steps = BatchSteps(s.trainer, s.cfg, plan, s.version, before_step=s.wait_saved, rounds=rounds)
-    torch.set_num_threads(s.cfg.resources.train_threads)  # the workers generate this iteration's rollouts
     try:
-        while groups_done < expected_groups or rounds_open:
+        if s.cfg.algorithm.ppo_mini_batches > 1 or rounds_open:  # mini-batches, kept groups: by the recorded plan
+            t_plan = time.perf_counter()
+            rec = ledger.read_record(s.lake, run_id, iteration)
+            plan, rounds = rec["prompt_ids"], rec.get("rounds")
+            storage += time.perf_counter() - t_plan
+        steps = BatchSteps(s.trainer, s.cfg, plan, s.version, before_step=s.wait_saved, rounds=rounds)
+        torch.set_num_threads(s.cfg.resources.train_threads)  # the workers generate this iteration's rollouts
+        while groups_done < expected_groups:
             t0 = time.perf_counter()
-            if groups_done >= expected_groups:  # dynamic sampling: every planned group is in; another round, or none
-                new_round = plan_round(s, run_id, iteration) if steps.wants_round else []
-                if new_round:
-                    steps.add_round(new_round)
-                    expected_groups += len(new_round)
-                else:
-                    s.pool.enqueue([])  # the stop markers: the rollout tasks return
-                    rounds_open = False
-                    torch.set_num_threads(idle_rollout_threads(s.cfg))  # workers idle till promotion
-                storage += time.perf_counter() - t0
-                continue
             new = [p for p in list_shards(s, run_id, iteration) if p not in seen]
             if not new:
                 if not s.pool.alive():
@@ -590,29 +600,40 @@ def train_task(run_id: str, iteration: int, expected_groups: int, started_at: fl
             for path in new:
                 seen.add(path)
                 table = read_shard(s.lake, path)
-                landed.append(
-                    (
-                        path,
-                        table.schema.metadata[b"lockstep.sha256"].decode(),
-                        groups_of(table, s.cfg.rollout.group_size),
-                    )
-                )
+                checksum = table.schema.metadata[b"lockstep.sha256"].decode()
+                landed.append((path, checksum, groups_of(table, s.cfg.rollout.group_size)))
             storage += time.perf_counter() - t1
-            if not rounds_open and groups_done + sum(len(g) for _, _, g in landed) >= expected_groups:
-                torch.set_num_threads(idle_rollout_threads(s.cfg))  # all in: workers idle till promotion
+            t2 = time.perf_counter()
+            admitted = []  # every landed group decided on before any trains: the next round waits for no training
             for path, checksum, groups in landed:
-                t2 = time.perf_counter()
-                shard_staleness = token_staleness(path, groups, s.version, max_staleness)
+                staleness.extend(token_staleness(path, groups, s.version, max_staleness))
                 for g in groups:
                     rewards.extend(g.rewards)
-                staleness.extend(shard_staleness)
-                steps.add(groups)
-                busy += time.perf_counter() - t2
+                admitted.append(steps.admit(groups))
                 groups_done += len(groups)
                 shards.append({"path": path, "checksum": checksum, "groups": len(groups)})
+            busy += time.perf_counter() - t2
+            if rounds_open and groups_done >= expected_groups:  # dynamic sampling: every planned group is in
+                t_round = time.perf_counter()
+                count = steps.next_round()
+                new_round = plan_round(s, run_id, iteration, count) if count else []
+                if new_round:
+                    steps.add_round(new_round)
+                    expected_groups += len(new_round)
+                else:
+                    s.pool.enqueue([])  # the stop markers: the rollout tasks return
+                    rounds_open = False
+                storage += time.perf_counter() - t_round
+            if not rounds_open and groups_done >= expected_groups:  # all in: workers idle till promotion
+                torch.set_num_threads(idle_rollout_threads(s.cfg))
+            for released in admitted:
+                t3 = time.perf_counter()
+                steps.train(*released)
+                busy += time.perf_counter() - t3
     finally:
-        if rounds_open:  # a failure with the workers waiting for a round: their rollout tasks end
-            s.pool.enqueue([])
+        if rounds_open:  # a failure while the workers wait for a round: their rollout tasks end (unless closed)
+            with contextlib.suppress(ValueError, OSError):
+                s.pool.enqueue([])
     t3 = time.perf_counter()
     figures = steps.finish()
     busy += time.perf_counter() - t3

@@ -817,13 +817,13 @@ def iteration_prompt_ids(cfg: Config, n_train: int, iteration: int) -> list[int]
     return perm[slot * B : (slot + 1) * B]
 
 
-def refill_prompt_ids(cfg: Config, n_train: int, iteration: int, round_: int, taken: list[int]) -> list[int]:
-    """Round `round_` (1, 2, ...) of iteration k's dynamic sampling (`algorithm.dynamic_sampling`): up to B training
+def refill_prompt_ids(n_train: int, seed: int, iteration: int, round_: int, taken: list[int], count: int) -> list[int]:
+    """Round `round_` (1, 2, ...) of iteration k's dynamic sampling (`algorithm.dynamic_sampling`): `count` training
     prompts not in `taken` (the iteration's earlier rounds: a batch never holds a prompt twice), drawn at random,
     seeded by (run seed, k, round); fewer where fewer are left. Round 0 is `iteration_prompt_ids`, as without
     dynamic sampling, so the epochs' batches stay what they were."""
     import random
 
     left = sorted(set(range(n_train)).difference(taken))
-    rng = random.Random(f"refill-{cfg.run.seed}-{iteration}-{round_}")
-    return rng.sample(left, min(cfg.rollout.prompts_per_iteration, len(left)))
+    rng = random.Random(f"refill-{seed}-{iteration}-{round_}")
+    return rng.sample(left, min(count, len(left)))

@@ -398,7 +398,12 @@ class _Worker:
         with _Publisher(self) as publisher:
             while True:
                 publisher.check()  # a shard that failed beside the last generation: before taking another chunk
-                chunk = work.get()
+                chunk = None
+                while chunk is None:
+                    try:
+                        chunk = work.get(timeout=0.5)
+                    except queue.Empty:  # nothing queued (dynamic sampling: maybe for long, till the next round is
+                        publisher.check()  # planned, which waits for the shard in flight): its failure raised now
                 if chunk == _STOP:
                     break
                 if chunk.version != self.version:
@@ -805,6 +810,8 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
+        for _ in self.procs:  # a worker waiting at the work queue for a round that will not come (dynamic sampling)
+            self.work.put(_STOP)
         for q in self.commands:
             q.put(("exit",))
         for p in self.procs:

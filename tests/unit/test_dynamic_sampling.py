@@ -194,30 +194,82 @@ def test_steps_equal_plain_steps_on_the_kept_groups(model, m, mode, released):
 
 
 def test_a_short_batch_takes_the_steps_its_groups_fill(model):
-    """Two rounds kept 2 of 4 groups with 2 mini-batches of 2: one step, not a second empty one."""
-    groups = {p: _group(p, SIGNAL[p]) for p in ROUND0}
+    """With 2 mini-batches of 2: 2 kept groups take one step, not a second empty one; 3 kept take two, the second of
+    one group; with rounds left a short batch asks for another round."""
+    groups = {p: _group(p, SIGNAL[p]) for p in ROUND0 + ROUND1}
     steps = BatchSteps(PolicyTrainer(copy.deepcopy(model), None, lr=3e-2), _cfg(2, rounds=1), ROUND0, version=0)
     steps.add([groups[p] for p in ROUND0])
-    assert not steps.wants_round  # one round allowed
+    assert steps.next_round() == 0  # one round allowed
     figures = steps.finish()
     assert len(steps.steps) == 1 and figures["train/samples"] == 4.0 and figures["filter/kept_groups"] == 2.0
-    again = BatchSteps(PolicyTrainer(copy.deepcopy(model), None, lr=3e-2), _cfg(2, rounds=2), ROUND0, version=0)
+    again = BatchSteps(PolicyTrainer(copy.deepcopy(model), None, lr=3e-2), _cfg(2, rounds=3), ROUND0, version=0)
     again.add([groups[p] for p in ROUND0])
-    assert again.wants_round  # short, and a second round is allowed
+    assert again.next_round() == 4  # 2 missing over 2 of 4 kept, in whole chunks of 4 (pipeline.shard_groups)
+    again.add_round([12, 5])
+    again.add([groups[12], groups[5]])  # 12 dropped, 5 kept: 3 of 4, a round left
+    assert again.next_round() == 4
+    again.add_round([20])
+    with pytest.raises(RuntimeError, match=r"batch incomplete: 1 planned groups not landed"):
+        again.finish()
+    three = BatchSteps(PolicyTrainer(copy.deepcopy(model), None, lr=3e-2), _cfg(2, rounds=2), ROUND0, version=0)
+    three.add([groups[p] for p in ROUND0])
+    three.add_round([12, 5])
+    three.add([groups[12], groups[5]])
+    assert three.next_round() == 0  # the rounds are spent
+    figures = three.finish()
+    assert [s["train/samples"] for s in three.steps] == [4.0, 2.0] and figures["train/optimizer_steps"] == 2.0
+
+
+def test_a_batch_that_kept_none_trains_its_first_round_in_plan_order_with_mini_batches(model):
+    """The fallback with 2 mini-batches: round 0's groups at their plan positions, two steps, as without dynamic
+    sampling (bitwise)."""
+    flat = {p: _group(p, [0.5, 0.5]) for p in ROUND0}
+    cfg = load_config(
+        None, ["algorithm.ppo_mini_batches=2", "rollout.prompts_per_iteration=4", "train.micro_batch_tokens=64"]
+    )
+    plain = copy.deepcopy(model)
+    steps = BatchSteps(PolicyTrainer(plain, None, lr=3e-2, grad_clip=None), cfg, ROUND0, version=0)
+    steps.add([flat[p] for p in ROUND0])
+    steps.finish()
+    filtered = copy.deepcopy(model)
+    steps = BatchSteps(PolicyTrainer(filtered, None, lr=3e-2, grad_clip=None), _cfg(2, rounds=1), ROUND0, version=0)
+    steps.add([flat[p] for p in reversed(ROUND0)])
+    figures = steps.finish()
+    assert figures["filter/fallback"] == 1.0 and figures["train/optimizer_steps"] == 2.0
+    assert _diff(filtered, plain) == 0.0
 
 
 def test_refill_rounds_draw_new_prompts_deterministically():
     cfg = load_config(None, ["rollout.prompts_per_iteration=8", "run.seed=5"])
     first = iteration_prompt_ids(cfg, 50, 3)
-    second = refill_prompt_ids(cfg, 50, 3, 1, first)
-    third = refill_prompt_ids(cfg, 50, 3, 2, first + second)
-    assert len(second) == len(third) == 8
+    second = refill_prompt_ids(50, 5, 3, 1, first, 8)
+    third = refill_prompt_ids(50, 5, 3, 2, first + second, 6)
+    assert len(second) == 8 and len(third) == 6
     assert not set(first) & set(second) and not set(third) & set(first + second)
-    assert second == refill_prompt_ids(cfg, 50, 3, 1, first)  # deterministic
-    assert second != refill_prompt_ids(cfg, 50, 4, 1, first)  # another iteration draws others
+    assert second == refill_prompt_ids(50, 5, 3, 1, first, 8)  # deterministic
+    assert second != refill_prompt_ids(50, 5, 4, 1, first, 8)  # another iteration draws others
+    assert second != refill_prompt_ids(50, 6, 3, 1, first, 8)  # and another seed
     taken = list(range(46))
-    assert sorted(refill_prompt_ids(cfg, 50, 3, 1, taken)) == [46, 47, 48, 49]  # what is left
-    assert refill_prompt_ids(cfg, 50, 3, 1, list(range(50))) == []
+    assert sorted(refill_prompt_ids(50, 5, 3, 1, taken, 8)) == [46, 47, 48, 49]  # what is left
+    assert refill_prompt_ids(50, 5, 3, 1, list(range(50)), 8) == []
+
+
+@pytest.mark.parametrize(
+    ("planned", "kept", "multiple", "count"),
+    [
+        (8, 6, 1, 3),  # 2 missing at 6 of 8 kept: 2 x 8 / 6 = 2.7 -> 3
+        (8, 6, 4, 4),  # rounded up to whole chunks of 4
+        (8, 1, 1, 8),  # 7 x 8 = 56: at most the batch
+        (8, 0, 4, 8),  # none kept: the batch
+        (16, 7, 2, 4),  # 7 of 16 kept, 1 missing: 16 / 7 = 2.3 -> 3, in chunks of 2: 4
+    ],
+)
+def test_a_refill_round_asks_for_the_missing_groups_over_the_share_kept(planned, kept, multiple, count):
+    k = KeptGroups(8, 0.0, ordered=False, defer=False)
+    k.add_round(list(range(planned)))
+    k.add([_group(p, [1, 0] if p < kept else [1, 1]) for p in range(planned)])
+    assert len(k.kept) == kept and k.complete
+    assert k.refill(multiple) == count
 
 
 def test_config_refuses_async_and_a_group_of_one_and_notes_unread_settings():

@@ -53,8 +53,8 @@ def _session(tmp_path, monkeypatch, overrides=(), version: int = 0) -> SimpleNam
     return s
 
 
-def _publish(s, chunk, version: int) -> str:
-    """A complete shard of `chunk` (every group whole), where a worker publishes it."""
+def _publish(s, chunk, version: int, reward=lambda prompt, sample: 0.5) -> str:
+    """A complete shard of `chunk` (every group whole), where a worker publishes it; `reward(prompt, sample)`."""
     now = datetime.now(timezone.utc)
     records = [
         SampleRecord(
@@ -68,7 +68,7 @@ def _publish(s, chunk, version: int) -> str:
             [3, 4],
             [-0.5, -0.5],
             [version, version],
-            0.5,
+            reward(p, j),
             "stop",
             "q",
             "a",
@@ -116,23 +116,24 @@ def test_dynamic_sampling_records_each_round_before_its_chunks_and_a_resume_cuts
         _Pool.enqueue(s.pool, chunks, last)
 
     monkeypatch.setattr(s.pool, "enqueue", enqueue)
-    new = iteration.plan_round(s, RUN, 1)
-    assert new == refill_prompt_ids(s.cfg, N_TRAIN, 1, 1, first) and len(new) == 8 and not set(new) & set(first)
+    new = iteration.plan_round(s, RUN, 1, 5)
+    assert new == refill_prompt_ids(N_TRAIN, s.cfg.run.seed, 1, 1, first, 5) and not set(new) & set(first)
+    assert len(new) == 5
     (round0, round1) = s.pool.enqueued
     assert s.pool.last == [False, False]
-    assert [c.index for c in round1] == [3, 4, 5] and [p for c in round1 for p in c.prompt_ids] == new
-    assert [len(c.prompt_ids) for c in round1] == [3, 3, 2]  # a round's chunks do not straddle rounds
+    assert [c.index for c in round1] == [3, 4] and [p for c in round1 for p in c.prompt_ids] == new
+    assert [len(c.prompt_ids) for c in round1] == [3, 2]  # a round's chunks do not straddle rounds
     rec = ledger.read_record(s.lake, RUN, 1)
-    assert enqueued["rec"]["rounds"] == rec["rounds"] == [8, 8]  # recorded before the enqueue
-    assert rec["prompt_ids"] == first + new and rec["chunks"] == 6 and rec["state"] == "rolling_out"
+    assert enqueued["rec"]["rounds"] == rec["rounds"] == [8, 5]  # recorded before the enqueue
+    assert rec["prompt_ids"] == first + new and rec["chunks"] == 5 and rec["state"] == "rolling_out"
     s.pool = _Pool()
     iteration.plan_task.fn(RUN, 1)
     (again,) = s.pool.enqueued
     assert [(c.index, c.prompt_ids) for c in again] == [(c.index, c.prompt_ids) for c in round0 + round1]
-    assert ledger.read_record(s.lake, RUN, 1)["rounds"] == [8, 8]
-    third = iteration.plan_round(s, RUN, 1)
-    assert sorted(third) == sorted(set(range(N_TRAIN)) - set(first + new))  # the 4 left
-    assert iteration.plan_round(s, RUN, 1) == [] and len(s.pool.enqueued) == 2  # none left: nothing enqueued
+    assert ledger.read_record(s.lake, RUN, 1)["rounds"] == [8, 5]
+    third = iteration.plan_round(s, RUN, 1, 8)
+    assert sorted(third) == sorted(set(range(N_TRAIN)) - set(first + new))  # the 7 left
+    assert iteration.plan_round(s, RUN, 1, 8) == [] and len(s.pool.enqueued) == 2  # none left: nothing enqueued
 
 
 def test_async_plans_ahead_under_the_batch_version(tmp_path, monkeypatch):
@@ -391,6 +392,69 @@ def test_shards_listed_just_after_the_rollouts_finished_are_still_trained(tmp_pa
     iteration.train_task.fn(RUN, 1, 8, 0.0)
     assert sorted(trained) == sorted(iteration_prompt_ids(s.cfg, N_TRAIN, 1)) and len(calls) >= 2
     assert ledger.read_record(s.lake, RUN, 1)["state"] == "trained"
+
+
+def test_dynamic_sampling_plans_the_next_round_before_training_what_landed(tmp_path, monkeypatch):
+    """The train task decides on every landed group, plans the next round (the missing groups over the share kept, in
+    whole chunks) and only then micro-steps: the workers never wait for that training. The batch is the first 8 kept
+    groups in plan order; then the stop markers."""
+    s = _session(tmp_path, monkeypatch, ["algorithm.dynamic_sampling=true"], version=1)
+    iteration.plan_task.fn(RUN, 1)
+    first = iteration_prompt_ids(s.cfg, N_TRAIN, 1)
+    signal = lambda p, j: float(j) if p not in first[-2:] else 1.0  # noqa: E731 - the last 2 of round 0 equal
+    for chunk in s.pool.enqueued[0]:
+        _publish(s, chunk, 1, signal)
+    events: list = []
+    trained = _waiting_trainer(s, [], monkeypatch)
+    step = s.trainer.micro_step
+    s.trainer.micro_step = lambda mb, version, behavior_old: events.append("train") or step(mb, version, behavior_old)
+
+    def enqueue(chunks, last=True):  # a worker publishes a round's chunks at once, every group with signal
+        events.append(("enqueue", [c.prompt_ids for c in chunks], last))
+        for c in chunks:
+            _publish(s, c, 1, lambda p, j: float(j))
+
+    monkeypatch.setattr(s.pool, "enqueue", enqueue)
+    figures = iteration.train_task.fn(RUN, 1, 8, 0.0)
+    rec = ledger.read_record(s.lake, RUN, 1)
+    second = rec["prompt_ids"][8:]
+    assert rec["rounds"] == [8, 3]  # 2 missing x 8 planned / 6 kept = 2.7 -> 3, one chunk of 3
+    assert events[0] == ("enqueue", [tuple(second)], False) and events[1] == "train"  # planned before any training
+    stop = events.index(("enqueue", [], True))  # the stop markers once round 1 is in, before it trains
+    assert events[stop + 1 :] and set(events[stop + 1 :]) == {"train"} and events.count(("enqueue", [], True)) == 1
+    assert trained == first[:6] + second[:2]  # round 0's kept groups as they landed, then round 1's first two
+    assert rec["dynamic_sampling"] == {
+        "trained": first[:6] + second[:2],
+        "dropped": first[6:],
+        "surplus": second[2:],
+        "fallback": False,
+    }
+    assert (figures["filter/kept_groups"], figures["filter/rounds"], figures["filter/surplus_groups"]) == (8, 2, 1)
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["open", "closed-pool"])
+def test_a_train_task_failing_before_its_loop_releases_the_workers_waiting_for_a_round(tmp_path, monkeypatch, closed):
+    """Dynamic sampling leaves the workers waiting at their queue: a train task failing anywhere (here reading its
+    plan) puts their stop markers; a pool closed meanwhile does not hide the task's own error."""
+    s = _session(tmp_path, monkeypatch, ["algorithm.dynamic_sampling=true"], version=1)
+    iteration.plan_task.fn(RUN, 1)
+    _waiting_trainer(s, [], monkeypatch)
+    stops = []
+
+    def enqueue(chunks, last=True):
+        stops.append((list(chunks), last))
+        if closed:
+            raise ValueError("the rollout worker pool is closed")
+
+    monkeypatch.setattr(s.pool, "enqueue", enqueue)
+
+    def unreadable(*args):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(iteration.ledger, "read_record", unreadable)
+    with pytest.raises(OSError, match="Input/output error"):
+        iteration.train_task.fn(RUN, 1, 8, 0.0)
+    assert stops == [([], True)]
 
 
 def test_a_failed_rollout_task_fails_the_train_task_with_its_own_error(tmp_path, monkeypatch):

@@ -111,23 +111,56 @@ def test_busy_time_counts_the_time_both_ran_once(worker):  # noqa: F811
     assert result["busy_s"] == pytest.approx(sum(info["gen_s"] for info in result["shards"]))
 
 
-def test_a_scoring_error_fails_the_iteration_and_its_shard_is_never_written(worker):  # noqa: F811
-    """The second shard's judge fails beside the third chunk's generation: the iteration raises that error, the first
-    shard stays published, the second and third are not."""
-    _overlapping(worker)
-    calls = []
+def _judge_down_at_the_second_shard(calls: list[int], delay_s: float = 0.0):
+    """A batch judge that records each call's size and raises on the second, `delay_s` into it."""
 
     def judge(responses, answers, prompts, extras):
         calls.append(len(responses))
         if len(calls) == 2:
+            time.sleep(delay_s)
             raise ValueError("the judge is down")
         return [0.0] * len(responses)
 
-    worker.reward = Scorer(many=judge)
+    return judge
+
+
+def test_a_scoring_error_fails_the_iteration_and_its_shard_is_never_written(worker):  # noqa: F811
+    """The second shard's judge fails beside the third chunk's generation: the iteration raises that error, the first
+    shard stays published, the second and third are not."""
+    _overlapping(worker)
+    calls: list[int] = []
+    worker.reward = Scorer(many=_judge_down_at_the_second_shard(calls))
     with pytest.raises(ValueError, match="the judge is down"):
         worker.iterate(0, "unused", _work(*_chunks(3)))
     written = sorted(p.rsplit("/", 1)[1] for p in worker.lake.fs.glob(f"{worker.lake.root}/**/*.arrow"))
     assert written == ["shard-0-00000.arrow"] and calls == [8, 8]
+
+
+def test_a_scoring_error_is_raised_while_the_queue_waits_for_another_round(worker):  # noqa: F811
+    """Dynamic sampling leaves the workers at an empty queue between rounds, with no stop marker: the last shard's
+    scoring error is raised there, not held until a chunk that cannot come (the train task waits for that shard). The
+    judge fails 1 s into its call, when the worker is already waiting at the queue."""
+    _overlapping(worker)
+    calls: list[int] = []
+    worker.reward = Scorer(many=_judge_down_at_the_second_shard(calls, delay_s=1.0))
+    work: queue.Queue = queue.Queue()
+    for c in _chunks(2):
+        work.put(c)
+    raised = []
+
+    def run():
+        try:
+            worker.iterate(0, "unused", work)
+        except ValueError as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=60)
+    in_time = [str(e) for e in raised]
+    work.put(_STOP)  # releases a worker that waited instead (the failure below): it raises the error only now
+    thread.join(timeout=60)
+    assert in_time == ["the judge is down"] and calls == [8, 8]
 
 
 def test_the_shard_in_flight_is_written_before_the_workers_own_error_is_raised(worker):  # noqa: F811
