@@ -359,9 +359,10 @@ class AlgorithmSection(_Section):
     dynamic_sampling: bool = Field(
         False,
         description="DAPO's dynamic sampling (modes sync and periodic): a group whose task rewards are all equal "
-        "(within dynamic_sampling_atol) has no advantage signal and is not trained; further rounds of "
-        "rollout.prompts_per_iteration prompts not yet in the batch are generated until prompts_per_iteration "
-        "groups are kept, dynamic_sampling_rounds rounds have run, or the training prompts run out. The batch is "
+        "(within dynamic_sampling_atol) has no advantage signal and is not trained; further rounds of prompts not "
+        "yet in the batch (the groups still missing over the share kept so far, in whole pipeline.shard_groups "
+        "chunks, at most rollout.prompts_per_iteration) are generated until prompts_per_iteration groups are kept, "
+        "dynamic_sampling_rounds rounds have run, or the training prompts run out. The batch is "
         "the first prompts_per_iteration kept groups in plan order, round after round (fewer if the rounds ran "
         "out; the first round's groups, as without dynamic sampling, if none was kept).",
     )
