@@ -53,7 +53,7 @@ from tasks.preflight import (
     run_exists_error,
 )
 from tasks.train_ranks import DataParallelTrainer
-from tasks.workers import SharedWeights, WorkerPool, WorkerSpec
+from tasks.workers import SharedWeights, WorkerPool, WorkerSpec, child_context, model_type, modeling_module
 
 if TYPE_CHECKING:  # the session does not import Prefect; the flow does
     from prefect.futures import PrefectFuture
@@ -634,6 +634,9 @@ def open_session(cfg: Config, on_progress=None, resume: bool = False, on_run_id=
 
 def _open_held(cfg: Config, lake: Lake, run_id: str, device: torch.device, resume: bool, on_progress) -> RunSession:
     """`open_session` once the run's lease is held: nobody else writes the run from here."""
+    # the fork server that starts the rollout workers (and trainer ranks) imports torch and the model's code meanwhile
+    policy_type = cfg.model.tiny.arch if cfg.model.path is None else model_type(cfg.model.path)
+    child_context(modeling_module(policy_type), fork_server=cfg.rollout.engine != "vllm")
     if resume:
         tmp_dir = f"{lake.run_dir(run_id)}/_tmp"
         if lake.fs.exists(tmp_dir):  # leftovers of writes cut short by the crash; never read by anyone

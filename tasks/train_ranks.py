@@ -25,9 +25,6 @@ stops answering, or any other break in the protocol, leaves the trainer refusing
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 import traceback
@@ -41,7 +38,7 @@ import torch.distributed as dist
 from models.data_parallel import OptimizerShard, broadcast_weights, sum_gradients
 from models.rewards import error_line
 from models.trainer import LossSettings, PolicyTrainer, group_tokens
-from tasks.workers import ended
+from tasks.workers import ParentState, child_context, ended, enter_child, sigint_ignored
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -140,12 +137,8 @@ def _build_replica(spec: RankSpec, device: torch.device) -> PolicyTrainer:
     )
 
 
-def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn, parent: int) -> None:  # in the child
-    from tasks.workers import _exit_with_parent
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops the ranks
-    _exit_with_parent(parent)
+def _rank_main(rank: int, world: int, port: int, spec: RankSpec, conn, parent: ParentState) -> None:  # in the child
+    enter_child(parent)  # Ctrl-C reaches the whole process group: rank 0 stops the ranks
     torch.set_num_threads(spec.threads)
     try:
         device = _rank_device(spec.device_type, rank)
@@ -268,9 +261,7 @@ class DataParallelTrainer(PolicyTrainer):
         self.reply_timeout_s = reply_timeout_s
         spec = rank_spec(self, threads, shard_optimizer)
         self._store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False, timeout=timedelta(seconds=60))
-        from tasks.workers import sigint_ignored
-
-        ctx = mp.get_context("spawn")
+        ctx = child_context(spec.model_class.__module__)
         self._conns, self._procs = [], []
         self._closed = False
         self._broken: str | None = None
@@ -279,7 +270,7 @@ class DataParallelTrainer(PolicyTrainer):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(
                     target=_rank_main,
-                    args=(rank, ranks, self._store.port, spec, child_end, os.getpid()),
+                    args=(rank, ranks, self._store.port, spec, child_end, ParentState.here()),
                     name=f"lockstep-train-rank-{rank}",
                     daemon=True,
                 )

@@ -1,4 +1,4 @@
-"""Long-lived rollout worker processes (spawned, never forked) and the pool the rollout tasks talk to.
+"""Long-lived rollout worker processes and the pool the rollout tasks talk to.
 
 Each worker keeps its engine and weights loaded across iterations, with its own torch thread budget, and
 loads a new policy version only when told to. The iteration's prompts are cut into chunks of
@@ -27,6 +27,7 @@ import multiprocessing as mp
 import multiprocessing.util as mp_util
 import os
 import queue
+import select
 import signal
 import tempfile
 import threading
@@ -156,9 +157,104 @@ class Chunk:
     prompt_ids: tuple[int, ...]  # the plan's prompt ids; group ids are f"{iteration}-{prompt_id}"
 
 
+# Modules the fork server imports once (`child_context`): a child forked from it starts with torch, transformers and
+# lockstep's worker code in place, instead of importing them for seconds of CPU time in every run. Not pyarrow
+# (`storage.shards`): its allocator runs a background thread, which a fork could catch holding a lock the child then
+# waits on forever; numpy's OpenBLAS threads, which torch brings, stop themselves before a fork.
+_PRELOAD = (
+    "tasks.forkserver",  # first: the server ignores SIGTERM from then on
+    "tasks.workers",
+    "tasks.train_ranks",
+    "models.engine",
+    "models.rewards",
+    "models.tiny",
+    "models.trainer",
+)
+
+
+def child_context(modeling: str | None = None, fork_server: bool = True):
+    """The multiprocessing context that starts worker processes (rollout workers, trainer ranks): a fork server's
+    where Linux has pidfds, spawn elsewhere or with `fork_server` false (vLLM's workers: its engine starts processes
+    of its own, on a GPU). The server is started by the first call of a process, as a fresh interpreter (not a fork
+    of this process: nothing of its GPU context, files or threads), runs for the process's life and imports
+    `_PRELOAD` and `modeling` (the policy's transformers modeling module) once, so that a child it forks starts with
+    them imported, not seconds later. A child takes on its parent's environment as it is when the child starts
+    (`ParentState`), as a spawned one does. Where the server cannot start (its socket's path, in a temporary folder
+    longer than AF_UNIX allows), spawn."""
+    if not fork_server or not hasattr(os, "pidfd_open") or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*_PRELOAD, *([modeling] if modeling else [])])  # kept by a server already running
+    try:
+        forkserver.ensure_running()  # returns at once: the server imports while this process goes on
+    except OSError:
+        return mp.get_context("spawn")
+    return ctx
+
+
+def model_type(model_dir: str) -> str | None:
+    """The `model_type` of HF directory `model_dir`'s config.json; None where it has none to read."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            kind = json.load(f)["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def modeling_module(kind: str | None) -> str | None:
+    """The transformers module that defines models of type `kind` (as config.json's `model_type` names it)."""
+    if kind is None:
+        return None
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(kind)
+    return f"transformers.models.{name}.modeling_{name}"
+
+
+@dataclass(frozen=True)
+class ParentState:
+    """What a child process takes on from the process that starts it: that process's pid (the child ends with it) and
+    its environment as it is at the start. A fork server's child would otherwise have the server's environment, from
+    when the server started; its working folder and import path multiprocessing sets itself, as for a spawned one."""
+
+    pid: int
+    environ: dict = field(repr=False)
+
+    @classmethod
+    def here(cls) -> ParentState:
+        return cls(os.getpid(), dict(os.environ))
+
+
+def enter_child(parent: ParentState, sigterm_from_parent_only: bool = True) -> None:
+    """First thing in a worker process's main thread: its parent's environment; SIGINT ignored (Ctrl-C reaches the
+    whole process group: the parent stops its children), SIGTERM as by default; and an end within 0.2 s of the
+    parent's (`_exit_with_parent`). On another thread (the unit tests run a worker on one) only the last."""
+    if threading.current_thread() is threading.main_thread():
+        if os.environ != parent.environ:
+            os.environ.clear()
+            os.environ.update(parent.environ)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fork server's child inherits it ignored (tasks/forkserver.py)
+    _exit_with_parent(parent.pid, sigterm_from_parent_only=sigterm_from_parent_only)
+
+
+_PARENT_FDS: dict[int, int] = {}  # parent pid -> a pidfd of it, where it is not this process's parent (fork server)
+
+
 def _orphaned(parent: int) -> bool:
-    """Whether the flow's process that spawned this worker has died (a SIGKILLed parent cannot stop its children)."""
-    return os.getppid() != parent
+    """Whether the flow's process that started this worker has died (a SIGKILLed parent cannot stop its children).
+    A spawned worker is the flow's child; one forked by the fork server (`child_context`) is the server's, and
+    watches the flow's process through the pidfd `watch_parent` opened for it."""
+    fd = _PARENT_FDS.get(parent)
+    if fd is None:
+        return os.getppid() != parent
+    return bool(select.select([fd], [], [], 0)[0])  # a pidfd reads ready once its process has ended
 
 
 def watch_parent(parent: int, stop, period_s: float = 0.2, sigterm_from_parent_only: bool = True) -> None:
@@ -173,6 +269,12 @@ def watch_parent(parent: int, stop, period_s: float = 0.2, sigterm_from_parent_o
     this one starts have SIGTERM blocked too (not wanted where a library stops its own processes with SIGTERM:
     `sigterm_from_parent_only=False` leaves SIGTERM alone). On another thread (the unit tests run a worker in one),
     or with it False, only the parent's death is watched."""
+    if os.getppid() != parent and parent not in _PARENT_FDS and hasattr(os, "pidfd_open"):
+        try:  # started by a fork server: the flow's process is not this one's parent
+            _PARENT_FDS[parent] = os.pidfd_open(parent)
+        except ProcessLookupError:
+            stop()  # gone already
+            return
     main = sigterm_from_parent_only and threading.current_thread() is threading.main_thread()
     if main:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -559,15 +661,14 @@ class _Publisher:
                 self._thread.shutdown(wait=True)
 
 
-def _worker_main(worker_id: int, spec: WorkerSpec, commands, work, results, parent: int) -> None:  # in the child
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if threading.current_thread() is threading.main_thread():  # (the unit tests run a worker in a thread)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the flow stops the pool
+def _worker_main(  # in the child
+    worker_id: int, spec: WorkerSpec, commands, work, results, parent: ParentState
+) -> None:
     # vLLM's engine runs in processes it starts from this one and stops with SIGTERM: they must not inherit it
     # blocked (unrun here: no GPU), so a vLLM worker still dies of a SIGTERM sent to the whole group
-    _exit_with_parent(parent, sigterm_from_parent_only=spec.engine != "vllm")
+    enter_child(parent, sigterm_from_parent_only=spec.engine != "vllm")
     try:
-        w = _Worker(worker_id, spec, commands, parent)
+        w = _Worker(worker_id, spec, commands, parent.pid)
         results.put(("ready", worker_id))
     except BaseException:
         results.put(("error", traceback.format_exc()))
@@ -654,10 +755,20 @@ class WorkerPool:
 
     closed = False  # set first thing by `close`: a task still waiting for a worker then ends as `PoolClosed`
 
-    def __init__(self, n_workers: int, spec: WorkerSpec, start_timeout_s: float = 300.0, wait_ready: bool = True):
-        """Spawn the workers; with `wait_ready` false, return at once and let each worker's first command wait
-        for it (its imports and model load then overlap the caller's own start-up work)."""
-        ctx = mp.get_context("spawn")
+    def __init__(
+        self,
+        n_workers: int,
+        spec: WorkerSpec,
+        start_timeout_s: float = 300.0,
+        wait_ready: bool = True,
+        fork_server: bool = True,
+    ):
+        """Start the workers (`child_context`; spawned with `fork_server` false); with `wait_ready` false, return at
+        once and let each worker's first command wait for it (its model load then overlaps the caller's own
+        start-up work)."""
+        ctx = child_context(
+            modeling_module(model_type(spec.model_dir)), fork_server=fork_server and spec.engine != "vllm"
+        )
         self.n = n_workers
         self.work = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(n_workers)]
@@ -665,7 +776,7 @@ class WorkerPool:
         self.procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(w, spec, self.commands[w], self.work, self.results[w], os.getpid()),
+                args=(w, spec, self.commands[w], self.work, self.results[w], ParentState.here()),
                 name=f"lockstep-rollout-{w}",
                 # a daemonic process may not start processes, and vLLM's engine runs in processes of its own; a
                 # worker ends with the pool's `close` or, failing that, with its parent (`_exit_with_parent`)

@@ -29,6 +29,18 @@ import torch  # noqa: E402
 importlib.import_module("torch._dynamo")
 torch.set_num_threads(1)
 
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """The fork server that starts the runs' worker processes (`tasks.workers.child_context`), started before the
+    first test of each process that runs tests (not pytest-xdist's controller, which runs none) and before any test
+    moves the temporary folder: its socket is made in multiprocessing's temporary folder, which a process makes once,
+    and one under a test's long temporary path would pass AF_UNIX's length (the runs would fall back to spawn)."""
+    from tasks.workers import child_context, modeling_module
+
+    child_context(modeling_module("qwen2"))
+
+
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 

@@ -82,6 +82,7 @@ ARGPARSE_BENCHMARKS = [
     "scoring",
     "checkpointing",
     "logits_chunking",
+    "worker_start",
 ]
 
 
@@ -108,6 +109,7 @@ def test_unknown_flag_exits_2(module, env):
     ("module", "args", "message"),
     [
         ("pipeline", ["--repeats", "0"], "--repeats 0: must be at least 1"),
+        ("worker_start", ["--repeats", "0"], "--repeats 0: must be in [1, 100]"),
         ("pipeline", ["--iterations", "0", "--warmup", "0"], "--iterations 0: must be in [1, 100000]"),
         ("pipeline", ["--iterations", "-5", "--warmup", "3"], "--iterations -5: must be in [1, 99997]"),
         ("a3po", ["--iterations", "0", "--warmup", "0"], "--iterations 0: must be in [1, 100000]"),

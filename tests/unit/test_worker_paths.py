@@ -32,6 +32,7 @@ from storage.shards import ROLLOUT_SCHEMA, read_shard, table_to_records
 from tasks.workers import (
     _STOP,
     Chunk,
+    ParentState,
     SharedWeights,
     WorkerError,
     WorkerPool,
@@ -388,7 +389,7 @@ class _WorkerThread:
         self.commands, self.work, self.results = queue.Queue(), queue.Queue(), queue.Queue()
         self.thread = threading.Thread(
             target=_worker_main,
-            args=(0, worker.spec, self.commands, self.work, self.results, os.getppid()),
+            args=(0, worker.spec, self.commands, self.work, self.results, ParentState(os.getppid(), {})),
             daemon=True,
         )
         self.thread.start()

@@ -132,9 +132,10 @@ def test_shared_weights_carry_a_version_between_mappings(tmp_path, tiny_hf):
     assert shared.path.startswith(str(tmp_path)) and not os.path.exists(shared.path)
 
 
-def test_a_spawned_worker_imports_a_reward_file_itself(tmp_path, tiny_hf):
-    """`task.reward: FILE.py:FUNCTION`: a spawned worker (a process that starts bare) loads the file as it starts,
-    before it says it is ready; the file's module-level code runs in the worker's process."""
+def test_a_worker_imports_a_reward_file_itself(tmp_path, tiny_hf):
+    """`task.reward: FILE.py:FUNCTION`: a worker (a process of its own, forked by a fork server that does not import the
+    file) loads the file as it starts, before it says it is ready; the file's module-level code runs in the worker's
+    process."""
     from dataclasses import replace
 
     (tmp_path / "r.py").write_text(
