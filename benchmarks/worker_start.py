@@ -51,6 +51,9 @@ def _start(spec, fork_server: bool) -> float:
     pool = WorkerPool(1, spec, fork_server=fork_server)  # waits for the worker's ready message
     seconds = time.perf_counter() - t0
     pool.close()
+    way = "forkserver" if fork_server else "spawn"
+    if pool.start_method != way:  # a server that could not start (a long TMPDIR) must not pass as its figures
+        raise SystemExit(f"the worker was started by {pool.start_method}, not {way}")
     return seconds
 
 

@@ -27,7 +27,6 @@ import multiprocessing as mp
 import multiprocessing.util as mp_util
 import os
 import queue
-import select
 import signal
 import tempfile
 import threading
@@ -162,7 +161,7 @@ class Chunk:
 # (`storage.shards`): its allocator runs a background thread, which a fork could catch holding a lock the child then
 # waits on forever; numpy's OpenBLAS threads, which torch brings, stop themselves before a fork.
 _PRELOAD = (
-    "tasks.forkserver",  # first: the server ignores SIGTERM from then on
+    "tasks.forkserver",  # first: the server leaves the run's process group
     "tasks.workers",
     "tasks.train_ranks",
     "models.engine",
@@ -174,14 +173,14 @@ _PRELOAD = (
 
 def child_context(modeling: str | None = None, fork_server: bool = True):
     """The multiprocessing context that starts worker processes (rollout workers, trainer ranks): a fork server's
-    where Linux has pidfds, spawn elsewhere or with `fork_server` false (vLLM's workers: its engine starts processes
+    where the platform has one (POSIX), spawn elsewhere or with `fork_server` false (vLLM's workers: its engine starts processes
     of its own, on a GPU). The server is started by the first call of a process, as a fresh interpreter (not a fork
     of this process: nothing of its GPU context, files or threads), runs for the process's life and imports
     `_PRELOAD` and `modeling` (the policy's transformers modeling module) once, so that a child it forks starts with
     them imported, not seconds later. A child takes on its parent's environment as it is when the child starts
     (`ParentState`), as a spawned one does. Where the server cannot start (its socket's path, in a temporary folder
     longer than AF_UNIX allows), spawn."""
-    if not fork_server or not hasattr(os, "pidfd_open") or "forkserver" not in mp.get_all_start_methods():
+    if not fork_server or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     from multiprocessing import forkserver
 
@@ -218,43 +217,49 @@ def modeling_module(kind: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class ParentState:
-    """What a child process takes on from the process that starts it: that process's pid (the child ends with it) and
-    its environment as it is at the start. A fork server's child would otherwise have the server's environment, from
-    when the server started; its working folder and import path multiprocessing sets itself, as for a spawned one."""
+    """What a child process takes on from the process that starts it: that process's process group (which the child
+    joins) and environment as they are at the start, and its pid (the child ends with it). A fork server's child would
+    otherwise have the server's environment, from when the server started, and the server's own process group; its
+    working folder and import path multiprocessing sets itself, as for a spawned one."""
 
     pid: int
+    pgid: int
     environ: dict = field(repr=False)
 
     @classmethod
     def here(cls) -> ParentState:
-        return cls(os.getpid(), dict(os.environ))
+        return cls(os.getpid(), os.getpgid(0), dict(os.environ))
 
 
 def enter_child(parent: ParentState, sigterm_from_parent_only: bool = True) -> None:
     """First thing in a worker process's main thread: its parent's environment; SIGINT ignored (Ctrl-C reaches the
-    whole process group: the parent stops its children), SIGTERM as by default; and an end within 0.2 s of the
-    parent's (`_exit_with_parent`). On another thread (the unit tests run a worker on one) only the last."""
-    if threading.current_thread() is threading.main_thread():
+    whole process group: the parent stops its children); an end within 0.2 s of the parent's, and a SIGTERM taken from
+    the parent only (`_exit_with_parent`); then the parent's process group joined (a fork server's child starts in the
+    server's), so that a signal or kill sent to the group reaches it as it reaches a spawned child. On another thread
+    (the unit tests run a worker on one) only the end with the parent."""
+    main = threading.current_thread() is threading.main_thread()
+    if main:
         if os.environ != parent.environ:
             os.environ.clear()
             os.environ.update(parent.environ)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fork server's child inherits it ignored (tasks/forkserver.py)
     _exit_with_parent(parent.pid, sigterm_from_parent_only=sigterm_from_parent_only)
-
-
-_PARENT_FDS: dict[int, int] = {}  # parent pid -> a pidfd of it, where it is not this process's parent (fork server)
+    if main and os.getpgid(0) != parent.pgid:
+        try:
+            os.setpgid(0, parent.pgid)
+        except OSError:  # the group is gone, and with it the parent
+            os._exit(0)
 
 
 def _orphaned(parent: int) -> bool:
-    """Whether the flow's process that started this worker has died (a SIGKILLed parent cannot stop its children).
-    A spawned worker is the flow's child; one forked by the fork server (`child_context`) is the server's, and
-    watches the flow's process through the pidfd `watch_parent` opened for it."""
-    fd = _PARENT_FDS.get(parent)
-    if fd is None:
-        return os.getppid() != parent
-    return bool(select.select([fd], [], [], 0)[0])  # a pidfd reads ready once its process has ended
+    """Whether the process that started this one (pid `parent`) has died: a SIGKILLed parent cannot stop its children.
+    A multiprocessing child (spawned, or forked by the fork server, whose child it is) asks its pipe from the parent,
+    which closes as the parent dies; another process (a server the command started) asks whether it was orphaned."""
+    started_by = mp.parent_process()
+    if started_by is not None:
+        return not started_by.is_alive()
+    return os.getppid() != parent
 
 
 def watch_parent(parent: int, stop, period_s: float = 0.2, sigterm_from_parent_only: bool = True) -> None:
@@ -269,12 +274,6 @@ def watch_parent(parent: int, stop, period_s: float = 0.2, sigterm_from_parent_o
     this one starts have SIGTERM blocked too (not wanted where a library stops its own processes with SIGTERM:
     `sigterm_from_parent_only=False` leaves SIGTERM alone). On another thread (the unit tests run a worker in one),
     or with it False, only the parent's death is watched."""
-    if os.getppid() != parent and parent not in _PARENT_FDS and hasattr(os, "pidfd_open"):
-        try:  # started by a fork server: the flow's process is not this one's parent
-            _PARENT_FDS[parent] = os.pidfd_open(parent)
-        except ProcessLookupError:
-            stop()  # gone already
-            return
     main = sigterm_from_parent_only and threading.current_thread() is threading.main_thread()
     if main:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -769,6 +768,7 @@ class WorkerPool:
         ctx = child_context(
             modeling_module(model_type(spec.model_dir)), fork_server=fork_server and spec.engine != "vllm"
         )
+        self.start_method = ctx.get_start_method()  # forkserver or spawn
         self.n = n_workers
         self.work = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(n_workers)]

@@ -1,18 +1,19 @@
-"""Worker processes started from the fork server (`tasks.workers.child_context`): they take on their parent's state as
-a spawned process would, and the server outlives a SIGTERM sent to the whole process group."""
+"""Worker processes started from the fork server (`tasks.workers.child_context`): they take on their parent's
+environment and process group as a spawned process would, and a signal sent to the whole group leaves the server,
+and so the run's view of its workers, alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
-import time
-
-import pytest
+from pathlib import Path
 
 from tasks.workers import ParentState, child_context, enter_child
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no fork server here (pidfds are Linux's)")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _state() -> dict:
@@ -21,8 +22,9 @@ def _state() -> dict:
         "cwd": os.getcwd(),
         "path0": sys.path[0],
         "ppid": os.getppid(),
+        "pgid": os.getpgid(0),
         "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
-        "sigterm_default": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+        "sigterm_blocked": signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []),
     }
 
 
@@ -58,36 +60,71 @@ def test_a_forked_child_takes_on_its_parents_state_as_it_starts(tmp_path, monkey
     # the working folder and import path multiprocessing sets itself, also without `enter_child`
     assert later["cwd"] == unadopted["cwd"] == str(tmp_path) != first["cwd"]
     assert later["path0"] == unadopted["path0"] == str(tmp_path) != first["path0"]
-    # children of the one server, not of this process; with torch imported before they ran a line
+    # children of the one server, not of this process; with torch imported before they ran a line, pyarrow not (its
+    # allocator's background thread could be forked holding a lock)
     assert first["ppid"] == later["ppid"] == unadopted["ppid"] != os.getpid()
-    # pyarrow not: its allocator's background thread could be forked holding a lock
     assert first["preloaded"] == {"torch": True, "models.engine": True, "pyarrow": False}
-    assert later["sigint_ignored"] and later["sigterm_default"]
-    assert not unadopted["sigterm_default"]  # inherited ignored from the server: `enter_child` resets it
+    # in this process's group once entered; the server's own group before
+    assert later["pgid"] == os.getpgid(0) != unadopted["pgid"]
+    assert unadopted["pgid"] == os.getpgid(later["ppid"])
+    assert later["sigint_ignored"] and later["sigterm_blocked"]  # SIGTERM: taken by `watch_parent`, the parent's only
+    assert not unadopted["sigint_ignored"] and not unadopted["sigterm_blocked"]
 
 
 def _wait_for_word(parent: ParentState, conn) -> None:  # in the child
     enter_child(parent)
+    conn.send("entered")
     conn.recv()
 
 
-def test_the_fork_server_outlives_a_sigterm_and_its_children_stay_readable():
-    """A SIGTERM sent to the whole process group reaches the server: were it to die of it, the pipes through which
-    this process reads how its children ended would close, and a live child would read as dead (exit code 255)."""
+_GROUP_SIGNALS = """
+import json, os, signal, subprocess, sys, time
+from tasks.workers import ParentState, child_context
+from tests.unit.test_child_processes import _run, _wait_for_word
+
+if __name__ == "__main__":
+    got = []
+    signal.signal(signal.SIGINT, lambda *_: got.append("INT"))
+    signal.signal(signal.SIGTERM, lambda *_: got.append("TERM"))
     ctx = child_context()
     ours, theirs = ctx.Pipe()
     p = ctx.Process(target=_wait_for_word, args=(ParentState.here(), theirs))
     p.start()
+    assert ours.recv() == "entered"
     server = _run(ctx, None)["ppid"]
-    os.kill(server, signal.SIGTERM)
-    time.sleep(0.5)
-    try:
-        assert p.is_alive() and p.exitcode is None
-        assert os.path.exists(f"/proc/{server}")
-        ours.send("end")
-        p.join(30)
-        assert p.exitcode == 0
-        assert _run(ctx, None)["ppid"] == server  # the same server starts the next child
-    finally:
-        if p.is_alive():
-            p.kill()
+    for sig in ("SIGINT", "SIGTERM"):  # a terminal's Ctrl-C, a job scheduler's stop: sent from outside the group
+        send = f"import os, signal; os.killpg({os.getpgid(0)}, signal.{sig})"
+        subprocess.run([sys.executable, "-c", send], check=True, start_new_session=True)
+    time.sleep(1.0)
+    seen = {"got": got, "alive": p.is_alive(), "exitcode": p.exitcode, "child_in_group": os.getpgid(p.pid) == os.getpgid(0),
+            "server_in_group": os.getpgid(server) == os.getpgid(0)}
+    ours.send("end")
+    p.join(30)
+    print(json.dumps({**seen, "ended": p.exitcode}), flush=True)
+"""
+
+
+def test_a_signal_to_the_whole_group_reaches_the_workers_and_leaves_the_fork_server_alone():
+    """A run's own process in a session of its own, one worker: Ctrl-C and SIGTERM sent to the whole process group.
+    The worker, in the group, ignores the one and takes the other from its parent only; the server, outside it, is
+    untouched. Were it in the group, the SIGTERM would kill it, closing the pipes through which the run reads how its
+    workers ended: the live worker would read as dead, exit code 255."""
+    r = subprocess.run(
+        [sys.executable, "-c", _GROUP_SIGNALS],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "got": ["INT", "TERM"],
+        "alive": True,
+        "exitcode": None,
+        "child_in_group": True,
+        "server_in_group": False,
+        "ended": 0,
+    }, r.stderr[-3000:]

@@ -389,7 +389,7 @@ class _WorkerThread:
         self.commands, self.work, self.results = queue.Queue(), queue.Queue(), queue.Queue()
         self.thread = threading.Thread(
             target=_worker_main,
-            args=(0, worker.spec, self.commands, self.work, self.results, ParentState(os.getppid(), {})),
+            args=(0, worker.spec, self.commands, self.work, self.results, ParentState(os.getppid(), os.getpgid(0), {})),
             daemon=True,
         )
         self.thread.start()
