@@ -265,7 +265,7 @@ class DataParallelTrainer(PolicyTrainer):
         self._conns, self._procs = [], []
         self._closed = False
         self._broken: str | None = None
-        with sigint_ignored():  # inherited through exec: a Ctrl-C during a rank's imports is rank 0's to handle
+        with sigint_ignored():  # a Ctrl-C during a rank's start-up is rank 0's to handle (`sigint_ignored`)
             for rank in range(1, ranks):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(

@@ -173,13 +173,13 @@ _PRELOAD = (
 
 def child_context(modeling: str | None = None, fork_server: bool = True):
     """The multiprocessing context that starts worker processes (rollout workers, trainer ranks): a fork server's
-    where the platform has one (POSIX), spawn elsewhere or with `fork_server` false (vLLM's workers: its engine starts processes
-    of its own, on a GPU). The server is started by the first call of a process, as a fresh interpreter (not a fork
-    of this process: nothing of its GPU context, files or threads), runs for the process's life and imports
-    `_PRELOAD` and `modeling` (the policy's transformers modeling module) once, so that a child it forks starts with
-    them imported, not seconds later. A child takes on its parent's environment as it is when the child starts
-    (`ParentState`), as a spawned one does. Where the server cannot start (its socket's path, in a temporary folder
-    longer than AF_UNIX allows), spawn."""
+    where the platform has one (POSIX), spawn elsewhere or with `fork_server` false (vLLM's workers: its engine starts
+    processes of its own, on a GPU). The server is started by the first call of a process, as a fresh interpreter
+    (not a fork of this process: nothing of its GPU context, files or threads), runs for the process's life and
+    imports `_PRELOAD` and `modeling` (the transformers modeling module of the first policy) once, so that a child it
+    forks starts with them imported, not seconds later. A child takes on its parent's environment and process group
+    as they are when the child starts (`ParentState`, `enter_child`), as a spawned one does. Where the server cannot
+    start (its socket's path, in a temporary folder longer than AF_UNIX allows), spawn."""
     if not fork_server or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     from multiprocessing import forkserver
@@ -313,7 +313,8 @@ def signal_handled(signum: int, handler):
 
 
 def sigint_ignored():
-    """SIGINT ignored while processes are started: a child started meanwhile inherits it through exec, so a
+    """SIGINT ignored while processes are started: a spawned child inherits it through exec (a fork server's child
+    starts outside the run's process group, which it joins once it ignores SIGINT itself: `enter_child`), so a
     terminal's Ctrl-C, which reaches the whole process group, never interrupts a child's start-up; the parent
     handles it and stops its children."""
     return signal_handled(signal.SIGINT, signal.SIG_IGN)

@@ -96,8 +96,9 @@ if __name__ == "__main__":
         send = f"import os, signal; os.killpg({os.getpgid(0)}, signal.{sig})"
         subprocess.run([sys.executable, "-c", send], check=True, start_new_session=True)
     time.sleep(1.0)
-    seen = {"got": got, "alive": p.is_alive(), "exitcode": p.exitcode, "child_in_group": os.getpgid(p.pid) == os.getpgid(0),
-            "server_in_group": os.getpgid(server) == os.getpgid(0)}
+    group = os.getpgid(0)
+    seen = {"got": got, "alive": p.is_alive(), "exitcode": p.exitcode, "child_in_group": os.getpgid(p.pid) == group,
+            "server_in_group": os.getpgid(server) == group}
     ours.send("end")
     p.join(30)
     print(json.dumps({**seen, "ended": p.exitcode}), flush=True)
