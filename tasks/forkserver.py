@@ -14,4 +14,7 @@ import os
 import sys
 
 if "from multiprocessing.forkserver import main" in " ".join(getattr(sys, "orig_argv", ())):
-    os.setpgid(0, 0)
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # refused (not seen): the server stays in the run's group, as a spawned worker would be; an
+        pass  # error here would stop the server's start, and with it every worker's
