@@ -319,6 +319,7 @@ def _run_flow(console, config_path: str, overrides: list[str], resume: bool, sou
         return 1
     finally:
         progress.stop()
+        train_mod.progress_hook = train_mod._no_progress  # a later run of this process (a library's) is not ours
     console.print(
         f"done in {time.perf_counter() - t0:.0f} s: held-out accuracy {summary['eval_accuracy_initial']:.3f} -> "
         f"{summary['eval_accuracy_final']:.3f}, {summary['samples_per_s']:.1f} samples/s, "

@@ -273,7 +273,7 @@ class KeptGroups:
         self.position: dict[int, int] = {}  # prompt id -> plan position
         self.first_round = 0
         self.rounds = 0
-        self.landed: dict[int, RolloutGroup] = {}  # landed and not yet decided
+        self.landed: dict[int, tuple[RolloutGroup, bool]] = {}  # landed and not yet decided, with `_signal`'s answer
         self.decided = 0  # plan positions decided
         self.kept: list[int] = []  # the batch's prompt ids, in batch order
         self.dropped: list[int] = []  # rewards all equal
@@ -304,15 +304,16 @@ class KeptGroups:
                 raise ShardError(f"a group of prompt {g.prompt_id} is not in this batch's plan")
             if g.prompt_id in self.landed or self.position[g.prompt_id] < self.decided:
                 raise ShardError(f"a second group of prompt {g.prompt_id} in one batch")
-            self.landed[g.prompt_id] = g
+            signal = self._signal(g)
+            self.landed[g.prompt_id] = (g, signal)
             early = not self.ordered and self.position[g.prompt_id] < self.first_round
-            if early and self._signal(g):
+            if early and signal:
                 out.append((g, None))
                 self.released.add(g.prompt_id)
         while self.decided < len(self.plan) and self.plan[self.decided] in self.landed:
             pid = self.plan[self.decided]
-            g = self.landed.pop(pid)
-            if not self._signal(g):
+            g, signal = self.landed.pop(pid)
+            if not signal:
                 self.dropped.append(pid)
                 if self.decided < self.first_round:
                     self.first_dropped.append(g)

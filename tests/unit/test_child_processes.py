@@ -129,3 +129,31 @@ def test_a_signal_to_the_whole_group_reaches_the_workers_and_leaves_the_fork_ser
         "server_in_group": False,
         "ended": 0,
     }, r.stderr[-3000:]
+
+
+_START = """
+import json, os
+from tasks.workers import ParentState, child_context
+from tests.unit.test_child_processes import _run
+
+if __name__ == "__main__":
+    ctx = child_context()
+    child = _run(ctx, ParentState.here())
+    print(json.dumps({"method": ctx.get_start_method(), "mark": child["mark"], "torch": child["preloaded"]["torch"]}))
+"""
+
+
+def _start_with_tmpdir(tmpdir: Path) -> dict:
+    tmpdir.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir), "LOCKSTEP_TEST_MARK": "the parent's"}
+    r = subprocess.run([sys.executable, "-c", _START], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_where_the_fork_server_cannot_start_children_are_spawned(tmp_path):
+    """The server's socket is made in the temporary folder; under one longer than AF_UNIX allows (108 bytes) the
+    server cannot start, and children are spawned instead: they start without the server's imports, and take on
+    their parent's environment all the same. Under a short folder (the control), the same process forks them."""
+    assert _start_with_tmpdir(tmp_path / ("long" * 25)) == {"method": "spawn", "mark": "the parent's", "torch": False}
+    assert _start_with_tmpdir(tmp_path / "t") == {"method": "forkserver", "mark": "the parent's", "torch": True}

@@ -484,6 +484,7 @@ def test_train_reports_the_summary_and_prints_the_run_and_its_summary_path(monke
     # the first line, before Prefect's API server and the imports: something on the screen at once
     assert out.err.startswith(f"starting a run of arith-tiny in lake {tmp_path / 'lake'}\n")
     assert "held-out accuracy 0.250 -> 0.625, 12.3 samples/s, version 7" in out.err
+    assert train_mod.progress_hook is train_mod._no_progress  # the display is not left to a later run of this process
     assert cli.main(["train", ARITH, "-o", f"lake.uri={tmp_path / 'lake'}", "-o", "run.run_id=r2"]) == 0
     assert capsys.readouterr().err.startswith(f"starting run r2 in lake {tmp_path / 'lake'}\n")
 

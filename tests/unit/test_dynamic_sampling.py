@@ -173,7 +173,7 @@ def test_steps_equal_plain_steps_on_the_kept_groups(model, m, mode, released):
     cfg = load_config(
         None, [f"algorithm.ppo_mini_batches={m}", "rollout.prompts_per_iteration=4", "train.micro_batch_tokens=64"]
     )
-    for arrival, chunks in zip(ARRIVALS, released, strict=False):
+    for arrival, chunks in zip(ARRIVALS, released, strict=True):
         plain = copy.deepcopy(model)
         steps = BatchSteps(PolicyTrainer(plain, None, lr=3e-2, grad_clip=None), cfg, [7, 1, 5, 20], version=0)
         for chunk in chunks:
