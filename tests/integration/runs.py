@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import sqlite3
+import tempfile
+from contextlib import closing
 from pathlib import Path
 
 import yaml
@@ -40,7 +45,31 @@ def write_config(tmp_path: Path, name: str, overrides: dict | None = None, lake:
     cfg["run"]["run_id"] = name
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    seed_mlflow_store(tmp_path / "mlflow.db")
     return str(path)
+
+
+_EMPTY_STORE: list[Path] = []  # this process's new MLflow store, made once
+
+
+def seed_mlflow_store(db: Path) -> None:
+    """Where there is no MLflow store at `db` yet, put a copy of a new, empty one there (SQLite's backup, a consistent
+    copy). MLflow makes a new SQLite store by running its schema migrations: ~1.5 s of CPU per run on this 2-core
+    machine, in every test that runs the flow; the copy, made once per process, takes ~0.05 s and holds what a new
+    store holds (the tables at the current revision and the Default experiment, which lockstep does not use; as in
+    any new store, its artifact location names the working folder of the process that made the store). Making a new
+    store is tested where it is the subject: tests/unit/test_tracking.py and test_preflight.py."""
+    if db.exists():
+        return
+    if not _EMPTY_STORE:
+        from mlflow.tracking import MlflowClient
+
+        folder = Path(tempfile.mkdtemp(prefix="lockstep-mlflow-"))
+        atexit.register(shutil.rmtree, folder, True)
+        MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()  # makes the store
+        _EMPTY_STORE.append(folder / "mlflow.db")
+    with closing(sqlite3.connect(_EMPTY_STORE[0])) as src, closing(sqlite3.connect(db)) as dst:
+        src.backup(dst)
 
 
 def mlflow_run(tmp_path: Path, run_id: str):
