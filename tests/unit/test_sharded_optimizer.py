@@ -227,7 +227,7 @@ def _model(transposed: bool):
     return model
 
 
-def _shard_rank(rank: int, port: int, scatter: bool, transposed: bool, out: str) -> None:  # a spawned process
+def _shard_rank(rank: int, port: int, scatter: bool, transposed: bool, out: str) -> None:  # a rank's process
     import os
 
     import torch.distributed as dist
@@ -274,8 +274,10 @@ def test_three_shards_take_one_adamw_step_over_the_summed_gradient(tmp_path, sca
     from tests.ports import free_port
 
     out = str(tmp_path / "rank0.pt")
-    with _deadline(120):
-        tmp.spawn(_shard_rank, args=(free_port(), scatter, transposed, out), nprocs=3)
+    with _deadline(120):  # forked by the fork server the suite's runs use (torch imported there once), not spawned
+        tmp.start_processes(
+            _shard_rank, args=(free_port(), scatter, transposed, out), nprocs=3, start_method="forkserver"
+        )
     got = torch.load(out)
     model = _model(transposed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
