@@ -3,7 +3,8 @@
 The killed run is a real `lockstep train` process; a failpoint (storage/faults.py) SIGKILLs it (or, for
 `shard-write`, one of its rollout workers) at the chosen place. `lockstep resume` then continues the run: the
 command's code in this test's process (`_resume_here`: the same code and lake, ~15 s less CPU each than a new
-process's imports and fork server), or its own process after a SIGTERM (and on S3, tests/resilience/test_object_store).
+process's imports and fork server), or its own process after a SIGTERM to the command alone (and on S3,
+tests/resilience/test_object_store).
 Asserted: final parameters equal the uninterrupted run's (periodic-invariant tolerance, 1e-5), every sample
 appears exactly once in the lake, and every iteration trained only samples of its own policy version.
 """
@@ -74,10 +75,21 @@ def _resume_here(run_id: str, lake_uri: str) -> int:
     """`lockstep resume RUN_ID --lake LAKE_URI` in this process: what the command's process runs (`flows.cli.main`),
     talking to this process's Prefect API (the `api` fixture's) and starting workers from its fork server. Nothing of
     the run is in this process before (it was trained by a process now killed): everything is read from the lake, as
-    a new process reads it. What the command prints is in the test's captured output."""
+    a new process reads it. What the command prints is in the test's captured output. As a command's process would
+    be, it is stopped after 600 s (the test then fails, not hangs); the SIGTERM handler and environment variables the
+    command sets for its process are put back after it."""
     from flows import cli
+    from tests.unit.test_train_ranks import _deadline
 
-    return cli.main(["resume", run_id, "--lake", lake_uri])
+    handler, environ = signal.getsignal(signal.SIGTERM), dict(os.environ)
+    try:
+        with _deadline(600):
+            return cli.main(["resume", run_id, "--lake", lake_uri])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
 
 
 def _kill_group(pgid: int) -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tasks.workers import ParentState, child_context, enter_child
@@ -144,7 +146,7 @@ if __name__ == "__main__":
 
 
 def _start_with_tmpdir(tmpdir: Path) -> dict:
-    tmpdir.mkdir(parents=True)
+    tmpdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir), "LOCKSTEP_TEST_MARK": "the parent's"}
     r = subprocess.run([sys.executable, "-c", _START], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -154,6 +156,11 @@ def _start_with_tmpdir(tmpdir: Path) -> dict:
 def test_where_the_fork_server_cannot_start_children_are_spawned(tmp_path):
     """The server's socket is made in the temporary folder; under one longer than AF_UNIX allows (108 bytes) the
     server cannot start, and children are spawned instead: they start without the server's imports, and take on
-    their parent's environment all the same. Under a short folder (the control), the same process forks them."""
+    their parent's environment all the same. Under a short folder (the control: one in /tmp, as a test's own folder
+    may leave too few of the 108 bytes), the same process forks them."""
     assert _start_with_tmpdir(tmp_path / ("long" * 25)) == {"method": "spawn", "mark": "the parent's", "torch": False}
-    assert _start_with_tmpdir(tmp_path / "t") == {"method": "forkserver", "mark": "the parent's", "torch": True}
+    short = Path(tempfile.mkdtemp(prefix="lt-", dir="/tmp"))
+    try:
+        assert _start_with_tmpdir(short) == {"method": "forkserver", "mark": "the parent's", "torch": True}
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

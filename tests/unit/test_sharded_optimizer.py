@@ -271,13 +271,13 @@ def test_three_shards_take_one_adamw_step_over_the_summed_gradient(tmp_path, sca
     is a copy of a matrix stored transposed, not a view of it."""
     import torch.multiprocessing as tmp
 
+    from tasks.workers import child_context
     from tests.ports import free_port
 
     out = str(tmp_path / "rank0.pt")
-    with _deadline(120):  # forked by the fork server the suite's runs use (torch imported there once), not spawned
-        tmp.start_processes(
-            _shard_rank, args=(free_port(), scatter, transposed, out), nprocs=3, start_method="forkserver"
-        )
+    method = child_context().get_start_method()  # as the runs' ranks: forked by the suite's fork server where it runs
+    with _deadline(120):
+        tmp.start_processes(_shard_rank, args=(free_port(), scatter, transposed, out), nprocs=3, start_method=method)
     got = torch.load(out)
     model = _model(transposed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
