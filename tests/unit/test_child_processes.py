@@ -134,7 +134,7 @@ def test_a_signal_to_the_whole_group_reaches_the_workers_and_leaves_the_fork_ser
 
 
 _START = """
-import json, os
+import json
 from tasks.workers import ParentState, child_context
 from tests.unit.test_child_processes import _run
 
