@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import shutil
 import sqlite3
 import tempfile
@@ -49,7 +50,15 @@ def write_config(tmp_path: Path, name: str, overrides: dict | None = None, lake:
     return str(path)
 
 
-_EMPTY_STORE: list[Path] = []  # this process's new MLflow store, made once
+@functools.cache
+def _empty_mlflow_store() -> Path:
+    """A new MLflow store, made once per process in a folder removed at its exit."""
+    from mlflow.tracking import MlflowClient
+
+    folder = Path(tempfile.mkdtemp(prefix="lockstep-mlflow-"))
+    atexit.register(shutil.rmtree, folder, True)
+    MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()  # makes the store
+    return folder / "mlflow.db"
 
 
 def seed_mlflow_store(db: Path) -> None:
@@ -61,14 +70,7 @@ def seed_mlflow_store(db: Path) -> None:
     store is tested where it is the subject: tests/unit/test_tracking.py and test_preflight.py."""
     if db.exists():
         return
-    if not _EMPTY_STORE:
-        from mlflow.tracking import MlflowClient
-
-        folder = Path(tempfile.mkdtemp(prefix="lockstep-mlflow-"))
-        atexit.register(shutil.rmtree, folder, True)
-        MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()  # makes the store
-        _EMPTY_STORE.append(folder / "mlflow.db")
-    with closing(sqlite3.connect(_EMPTY_STORE[0])) as src, closing(sqlite3.connect(db)) as dst:
+    with closing(sqlite3.connect(_empty_mlflow_store())) as src, closing(sqlite3.connect(db)) as dst:
         src.backup(dst)
 
 
